@@ -1,0 +1,1 @@
+"""tierlab.engine.tiers."""
