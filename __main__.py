@@ -1,0 +1,7 @@
+"""`python -m tierlab` runs the command line."""
+
+import sys
+
+from tierlab.app.cli import main
+
+sys.exit(main())
