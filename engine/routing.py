@@ -1,0 +1,543 @@
+"""Cache-aware routing (arXiv 2412.00099): which K experts one token runs.
+
+The MoE router ranks experts by probability; this module may swap the tail
+of that top-K for experts that are already resident (GPU tier, then RAM
+cache), trading a little fidelity for far fewer disk reads. Three strategies:
+
+- ``maxrank`` (the seed's): keep the true top-J, fill the other slots with
+  resident experts ranked inside a window of M (or of mass P when 0<P<1).
+- ``cumprob``: the same fill, but the window is set by cumulative mass P
+  alone (M does not bound it); P outside (0, 1) falls back to ``maxrank``.
+- ``prior`` (Cache-Prior): re-rank with logits biased towards resident
+  experts by lambda times a per-layer EMA of the logit range; top-J kept.
+
+``route_select`` is the pure contract of REFERENCE.md §2, written for
+reading; ``route_select_numba`` is its twin for the hot path, and the tests
+hold them equal. ``Router`` is what the engine calls once per layer per
+token: it keeps the per-layer Cache-Prior state and the meters.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, fields
+
+import numba
+import numpy as np
+
+from tierlab.engine.knobs import KnobValues
+
+LEVEL_GPU = 2
+LEVEL_RAM = 1
+
+# Guards of the KL meter (REFERENCE.md §2).
+KL_GUARD = 1e-20
+KL_MISSING = 1e-12
+
+# Weight of the newest token in the Cache-Prior EMA of the logit range.
+PRIOR_EMA_RATE = 0.1
+
+
+class RoutingWarning(UserWarning):
+    """Routing degraded (fewer eligible experts than K): said once per Router."""
+
+
+@dataclass
+class RouteStats:
+    """Meter counts of one routing decision (see RouteMeters for their sums)."""
+
+    slots: int  # filled slots, min(K, eligible experts)
+    swaps: int  # filled slots holding an expert outside the true top-K
+    swaps_vram: int  # of those, experts at the GPU tier (level 2)
+    agree_hit: int  # |chosen ∩ true top-K|
+    agree_tot: int  # size of the true top-K (= slots)
+    kl: float  # KL(true top-K mass || chosen mass), nats
+
+
+# --------------------------------------------------------------------------
+# The readable reference
+# --------------------------------------------------------------------------
+
+
+def _rank(probs: np.ndarray, mask: np.ndarray, depth: int) -> list[int]:
+    """Eligible expert ids by falling probability, ties to the lower id."""
+    eligible = np.flatnonzero(mask).tolist()
+    eligible.sort(key=lambda e: (-float(probs[e]), e))
+    return eligible[:depth]
+
+
+def _alpha_applies(alpha: float) -> bool:
+    return 0.0 < alpha < 1.0
+
+
+def _chosen_values(probs, chosen: list[int], true_set: set[int], K: int, alpha: float) -> np.ndarray:
+    """Original probabilities of the chosen, substitutes scaled by alpha, zero-padded to K."""
+    val = np.zeros(K, dtype=np.float32)
+    for slot, e in enumerate(chosen):
+        p = float(probs[e])
+        if e not in true_set and _alpha_applies(alpha):
+            p *= alpha
+        val[slot] = np.float32(p)
+    return val
+
+
+def _kl_true_vs_chosen(probs, true_topk: list[int], chosen: list[int], val: np.ndarray) -> float:
+    """KL(true top-K mass || chosen mass) in nats, each side normalised over its own set."""
+    p_total = max(sum(float(probs[e]) for e in true_topk), KL_GUARD)
+    q_total = max(sum(float(v) for v in val[: len(chosen)]), KL_GUARD)
+    slot_of = {e: s for s, e in enumerate(chosen)}
+    kl = 0.0
+    for e in true_topk:
+        p = float(probs[e]) / p_total
+        if p <= 0.0:
+            continue
+        q = float(val[slot_of[e]]) / q_total if e in slot_of else KL_MISSING
+        kl += p * math.log(max(p, KL_GUARD) / max(q, KL_GUARD))
+    return kl
+
+
+def _finish(probs, level, chosen: list[int], true_topk: list[int], K: int, alpha: float):
+    """Turn a chosen list into (idx, val, stats): the part every strategy shares."""
+    true_set = set(true_topk)
+    idx = np.full(K, -1, dtype=np.int32)
+    idx[: len(chosen)] = chosen
+    val = _chosen_values(probs, chosen, true_set, K, alpha)
+    substitutes = [e for e in chosen if e not in true_set]
+    stats = RouteStats(
+        slots=len(chosen),
+        swaps=len(substitutes),
+        swaps_vram=sum(1 for e in substitutes if level[e] == LEVEL_GPU),
+        agree_hit=len(chosen) - len(substitutes),
+        agree_tot=len(true_topk),
+        kl=_kl_true_vs_chosen(probs, true_topk, chosen, val),
+    )
+    return idx, val, stats
+
+
+def route_select(probs, mask, level, K: int, J: int, M: int, P: float, alpha: float):
+    """REFERENCE.md §2, step by step: returns (idx int32[K], val float32[K], RouteStats).
+
+    ``val`` holds the weights after alpha and before renormalisation; unfilled
+    slots have idx -1 and val 0.
+    """
+    probs = np.asarray(probs, dtype=np.float32)
+    mask = np.asarray(mask, dtype=bool)
+    level = np.asarray(level)
+    J = min(max(J, 0), K)
+    by_mass = 0.0 < P < 1.0
+    cap = min(max(M, 4 * K) if by_mass else max(M, K), len(probs))
+    ranked = _rank(probs, mask, cap)
+    n = len(ranked)
+    kt = min(K, n)
+
+    win = n
+    if by_mass:
+        target = P * sum(float(probs[e]) for e in ranked)
+        cum = 0.0
+        for r, e in enumerate(ranked):
+            cum += float(probs[e])
+            if cum >= target:
+                win = r + 1
+                break
+        win = max(win, kt)
+
+    taken = list(range(min(J, n)))
+    for wanted_level in (LEVEL_GPU, LEVEL_RAM):
+        taken += [r for r in range(J, win) if level[ranked[r]] == wanted_level]
+    taken += [r for r in range(n) if r not in taken]
+    chosen = [ranked[r] for r in taken[:K]]
+    return _finish(probs, level, chosen, ranked[:kt], K, alpha)
+
+
+def prior_select(logits, probs, mask, level, K: int, J: int, bias: float, alpha: float):
+    """Cache-Prior: keep the true top-J, fill the rest by logits + bias*[resident].
+
+    ``bias`` is lambda times the layer's logit-range EMA. Weights are the
+    original probabilities (substitutes scaled by alpha). Same returns as
+    ``route_select``.
+    """
+    probs = np.asarray(probs, dtype=np.float32)
+    mask = np.asarray(mask, dtype=bool)
+    level = np.asarray(level)
+    J = min(max(J, 0), K)
+    ranked = _rank(probs, mask, len(probs))
+    kt = min(K, len(ranked))
+
+    chosen = ranked[:J]
+    rest = [e for e in ranked if e not in chosen]
+    rest.sort(key=lambda e: (-(float(logits[e]) + (bias if level[e] >= LEVEL_RAM else 0.0)), e))
+    chosen = chosen + rest[: K - len(chosen)]
+    return _finish(probs, level, chosen, ranked[:kt], K, alpha)
+
+
+# --------------------------------------------------------------------------
+# The hot-path twin (numba)
+# --------------------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True)
+def _rank_nb(probs, mask, depth):
+    n_eligible = 0
+    for e in range(probs.shape[0]):
+        if mask[e]:
+            n_eligible += 1
+    ids = np.empty(n_eligible, dtype=np.int32)
+    keys = np.empty(n_eligible, dtype=np.float32)
+    j = 0
+    for e in range(probs.shape[0]):
+        if mask[e]:
+            ids[j] = e
+            keys[j] = -probs[e]
+            j += 1
+    order = np.argsort(keys, kind="mergesort")  # stable: ties keep the lower id first
+    n = min(depth, n_eligible)
+    ranked = np.empty(n, dtype=np.int32)
+    for r in range(n):
+        ranked[r] = ids[order[r]]
+    return ranked
+
+
+@numba.njit(nogil=True, cache=True)
+def _finish_nb(probs, level, chosen, n_chosen, ranked, kt, K, alpha):
+    """Values, swapped flags and meter counts of a chosen list (see _finish)."""
+    idx = np.full(K, -1, dtype=np.int32)
+    val = np.zeros(K, dtype=np.float32)
+    swapped = np.zeros(K, dtype=np.bool_)
+    counts = np.zeros(5, dtype=np.int64)  # slots, swaps, swaps_vram, agree_hit, agree_tot
+    scale = 0.0 < alpha < 1.0
+    for s in range(n_chosen):
+        e = chosen[s]
+        idx[s] = e
+        in_true = False
+        for r in range(kt):
+            if ranked[r] == e:
+                in_true = True
+                break
+        p = np.float64(probs[e])
+        if not in_true:
+            swapped[s] = True
+            counts[1] += 1
+            if level[e] == 2:
+                counts[2] += 1
+            if scale:
+                p *= alpha
+        val[s] = np.float32(p)
+    counts[0] = n_chosen
+    counts[3] = n_chosen - counts[1]
+    counts[4] = kt
+
+    p_total = 0.0
+    for r in range(kt):
+        p_total += np.float64(probs[ranked[r]])
+    p_total = max(p_total, 1e-20)
+    q_total = 0.0
+    for s in range(n_chosen):
+        q_total += np.float64(val[s])
+    q_total = max(q_total, 1e-20)
+    kl = 0.0
+    for r in range(kt):
+        e = ranked[r]
+        p = np.float64(probs[e]) / p_total
+        if p <= 0.0:
+            continue
+        q = 1e-12
+        for s in range(n_chosen):
+            if idx[s] == e:
+                q = np.float64(val[s]) / q_total
+                break
+        kl += p * math.log(max(p, 1e-20) / max(q, 1e-20))
+    return idx, val, swapped, counts, kl
+
+
+@numba.njit(nogil=True, cache=True)
+def _route_core_nb(probs, mask, level, K, J, M, P, alpha):
+    """route_select's loops; also returns the swapped flags and the true top-K."""
+    J = min(max(J, 0), K)
+    by_mass = 0.0 < P < 1.0
+    cap = max(M, 4 * K) if by_mass else max(M, K)
+    cap = min(cap, probs.shape[0])
+    ranked = _rank_nb(probs, mask, cap)
+    n = ranked.shape[0]
+    kt = min(K, n)
+
+    win = n
+    if by_mass:
+        target = 0.0
+        for r in range(n):
+            target += np.float64(probs[ranked[r]])
+        target *= P
+        cum = 0.0
+        for r in range(n):
+            cum += np.float64(probs[ranked[r]])
+            if cum >= target:
+                win = r + 1
+                break
+        win = max(win, kt)
+
+    used = np.zeros(n, dtype=np.bool_)
+    chosen = np.empty(K, dtype=np.int32)
+    filled = 0
+    for r in range(min(J, n)):
+        chosen[filled] = ranked[r]
+        used[r] = True
+        filled += 1
+    for wanted_level in (2, 1):
+        for r in range(J, win):
+            if filled == K:
+                break
+            if not used[r] and level[ranked[r]] == wanted_level:
+                chosen[filled] = ranked[r]
+                used[r] = True
+                filled += 1
+    for r in range(n):
+        if filled == K:
+            break
+        if not used[r]:
+            chosen[filled] = ranked[r]
+            used[r] = True
+            filled += 1
+    idx, val, swapped, counts, kl = _finish_nb(probs, level, chosen, filled, ranked, kt, K, alpha)
+    return idx, val, swapped, ranked[:kt].copy(), counts, kl
+
+
+@numba.njit(nogil=True, cache=True)
+def _prior_core_nb(logits, probs, mask, level, K, J, bias, alpha):
+    """prior_select's loops; same returns as _route_core_nb."""
+    J = min(max(J, 0), K)
+    ranked = _rank_nb(probs, mask, probs.shape[0])
+    n = ranked.shape[0]
+    kt = min(K, n)
+    protected = min(J, n)
+    rest = n - protected
+    rest_ids = np.empty(rest, dtype=np.int32)
+    keys = np.empty(rest, dtype=np.float64)
+    # Sort the unprotected by (-score, id): ids ascending first, then a stable sort.
+    j = 0
+    for e in range(probs.shape[0]):
+        if not mask[e]:
+            continue
+        is_protected = False
+        for r in range(protected):
+            if ranked[r] == e:
+                is_protected = True
+                break
+        if is_protected:
+            continue
+        score = np.float64(logits[e])
+        if level[e] >= 1:
+            score += bias
+        rest_ids[j] = e
+        keys[j] = -score
+        j += 1
+    order = np.argsort(keys, kind="mergesort")
+    chosen = np.empty(K, dtype=np.int32)
+    filled = 0
+    for r in range(protected):
+        chosen[filled] = ranked[r]
+        filled += 1
+    for r in range(rest):
+        if filled == K:
+            break
+        chosen[filled] = rest_ids[order[r]]
+        filled += 1
+    idx, val, swapped, counts, kl = _finish_nb(probs, level, chosen, filled, ranked, kt, K, alpha)
+    return idx, val, swapped, ranked[:kt].copy(), counts, kl
+
+
+def _stats_from(counts: np.ndarray, kl: float) -> RouteStats:
+    return RouteStats(*(int(c) for c in counts), kl=float(kl))
+
+
+def route_select_numba(probs, mask, level, K: int, J: int, M: int, P: float, alpha: float):
+    """The numba twin of route_select (same arguments, same returns)."""
+    idx, val, _, _, counts, kl = _route_core_nb(
+        np.ascontiguousarray(probs, dtype=np.float32),
+        np.ascontiguousarray(mask, dtype=np.bool_),
+        np.ascontiguousarray(level, dtype=np.int8),
+        int(K), int(J), int(M), float(P), float(alpha),
+    )
+    return idx, val, _stats_from(counts, kl)
+
+
+def prior_select_numba(logits, probs, mask, level, K: int, J: int, bias: float, alpha: float):
+    """The numba twin of prior_select."""
+    idx, val, _, _, counts, kl = _prior_core_nb(
+        np.ascontiguousarray(logits, dtype=np.float32),
+        np.ascontiguousarray(probs, dtype=np.float32),
+        np.ascontiguousarray(mask, dtype=np.bool_),
+        np.ascontiguousarray(level, dtype=np.int8),
+        int(K), int(J), float(bias), float(alpha),
+    )
+    return idx, val, _stats_from(counts, kl)
+
+
+# --------------------------------------------------------------------------
+# The engine's entry point
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class RouteResult:
+    """What one MoE layer runs for one token. Unfilled slots have idx -1 and weight 0."""
+
+    idx: np.ndarray  # int32[K] experts to run
+    weights: np.ndarray  # float32[K] final gate weights
+    true_topk: np.ndarray  # int32[K] the router's own top-K (-1 padded)
+    true_weights: np.ndarray  # float32[K] probabilities of true_topk (for logs and KL)
+    swapped: np.ndarray  # bool[K] chosen only because it was resident
+    level: np.ndarray  # int8[K] residency of each chosen expert (0 for unfilled)
+
+
+@dataclass
+class RouteMeters:
+    """Routing meters summed over tokens and layers."""
+
+    slots: int = 0
+    swaps: int = 0
+    swaps_vram: int = 0
+    agree_hit: int = 0
+    agree_tot: int = 0
+    kl_sum: float = 0.0
+    kl_count: int = 0
+
+    def add(self, counts: np.ndarray, kl: float) -> None:
+        self.slots += int(counts[0])
+        self.swaps += int(counts[1])
+        self.swaps_vram += int(counts[2])
+        self.agree_hit += int(counts[3])
+        self.agree_tot += int(counts[4])
+        self.kl_sum += float(kl)
+        self.kl_count += 1
+
+    @property
+    def swap_pct(self) -> float:
+        """Substitutes per chosen slot, in percent."""
+        return 100.0 * self.swaps / self.slots if self.slots else 0.0
+
+    @property
+    def route_agree(self) -> float:
+        """|chosen ∩ true top-K| / K, in percent (100 when nothing was routed)."""
+        return 100.0 * self.agree_hit / self.agree_tot if self.agree_tot else 100.0
+
+    @property
+    def route_kl(self) -> float:
+        """Mean KL(true top-K mass || chosen mass) per routing decision, nats."""
+        return self.kl_sum / self.kl_count if self.kl_count else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Router:
+    """Chooses each layer's experts for the engine and keeps the meters.
+
+    Call ``select`` once per MoE layer per token, only when the lever or its
+    meters are on; with ``CACHE_ROUTE`` off it returns the plain top-K.
+    """
+
+    def __init__(self, n_layers: int, n_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        self.n_layers = n_layers
+        self.n_experts = n_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.meters = RouteMeters()
+        self._all_eligible = np.ones(n_experts, dtype=np.bool_)
+        self._range_ema = np.full(n_layers, np.nan)
+        self._warned_short = False
+
+    def reset_meters(self) -> None:
+        self.meters = RouteMeters()
+
+    def logit_range_ema(self, layer: int) -> float:
+        """Cache-Prior's Delta for a layer (nan before the layer's first token)."""
+        return float(self._range_ema[layer])
+
+    def _update_range(self, layer: int, logits: np.ndarray, mask: np.ndarray) -> float:
+        eligible = logits[mask] if mask is not self._all_eligible else logits
+        if eligible.size == 0:
+            return 0.0 if np.isnan(self._range_ema[layer]) else float(self._range_ema[layer])
+        spread = float(eligible.max()) - float(eligible.min())
+        old = self._range_ema[layer]
+        self._range_ema[layer] = spread if np.isnan(old) else old + PRIOR_EMA_RATE * (spread - old)
+        return float(self._range_ema[layer])
+
+    def select(self, layer: int, logits, probs, level, knobs: KnobValues, mask=None) -> RouteResult:
+        probs = np.ascontiguousarray(probs, dtype=np.float32)
+        level = np.ascontiguousarray(level, dtype=np.int8)
+        mask = self._all_eligible if mask is None else np.ascontiguousarray(mask, dtype=np.bool_)
+        K = self.top_k
+        delta = self._update_range(layer, np.asarray(logits, dtype=np.float32), mask) if logits is not None else 0.0
+
+        if not knobs.CACHE_ROUTE:
+            out = _route_core_nb(probs, mask, level, K, K, K, 0.0, 1.0)
+        elif knobs.ROUTE_MODE == "prior":
+            if logits is None:
+                raise ValueError("ROUTE_MODE=prior needs the router logits")
+            out = _prior_core_nb(
+                np.ascontiguousarray(logits, dtype=np.float32), probs, mask, level,
+                K, knobs.ROUTE_J, knobs.ROUTE_LAMBDA * delta, knobs.ROUTE_ALPHA,
+            )
+        elif knobs.ROUTE_MODE == "cumprob" and 0.0 < knobs.ROUTE_P < 1.0:
+            out = _route_core_nb(probs, mask, level, K, knobs.ROUTE_J, self.n_experts, knobs.ROUTE_P, knobs.ROUTE_ALPHA)
+        else:  # maxrank, or cumprob without a usable P
+            out = _route_core_nb(
+                probs, mask, level, K, knobs.ROUTE_J, knobs.ROUTE_M, knobs.ROUTE_P, knobs.ROUTE_ALPHA
+            )
+        idx, val, swapped, true_ranked, counts, kl = out
+        self.meters.add(counts, kl)
+
+        filled = idx >= 0
+        if not filled.all() and not self._warned_short:
+            self._warned_short = True
+            warnings.warn(
+                f"layer {layer}: only {int(filled.sum())} eligible experts for top-{K}; "
+                "unfilled slots are -1 and skipped (said once)",
+                RoutingWarning,
+                stacklevel=2,
+            )
+        weights = val
+        if self.norm_topk_prob:
+            total = float(val.sum(dtype=np.float64))
+            weights = (val / total).astype(np.float32) if total > 0.0 else val
+        true_topk = np.full(K, -1, dtype=np.int32)
+        true_topk[: true_ranked.shape[0]] = true_ranked
+        true_weights = np.zeros(K, dtype=np.float32)
+        true_weights[: true_ranked.shape[0]] = probs[true_ranked]
+        chosen_level = np.where(filled, level[np.where(filled, idx, 0)], 0).astype(np.int8)
+        return RouteResult(idx, weights, true_topk, true_weights, swapped, chosen_level)
+
+
+# --------------------------------------------------------------------------
+# Footer and JSON
+# --------------------------------------------------------------------------
+
+
+def format_footer(knobs: KnobValues, meters: RouteMeters) -> list[str]:
+    """The seed engine's footer lines (empty when neither the lever nor its meters are on)."""
+    lines = []
+    if knobs.CACHE_ROUTE:
+        mode = ""
+        if knobs.ROUTE_MODE == "prior":
+            mode = f" mode=prior lambda={knobs.ROUTE_LAMBDA:g}"
+        elif knobs.ROUTE_MODE == "cumprob":
+            mode = " mode=cumprob"
+        lines.append(
+            f"CACHE_ROUTE{mode} J={knobs.ROUTE_J} M={knobs.ROUTE_M} P={knobs.ROUTE_P:g} "
+            f"alpha={knobs.ROUTE_ALPHA:g} | swap {meters.swap_pct:.1f}% "
+            f"({meters.swaps}/{meters.slots}, {meters.swaps_vram} to VRAM)"
+        )
+    if knobs.meters_on:
+        lines.append(f"route_agree {meters.route_agree:.1f}% | route_kl {meters.route_kl:.2f}")
+    return lines
+
+
+def meters_json(meters: RouteMeters) -> dict[str, float | int]:
+    """Meters for JSON output: swap and route_agree in percent, route_kl in nats, plus raw counts."""
+    return {
+        "swap": meters.swap_pct,
+        "swaps_to_vram": meters.swaps_vram,
+        "route_agree": meters.route_agree,
+        "route_kl": meters.route_kl,
+        **meters.as_dict(),
+    }
