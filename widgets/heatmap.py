@@ -1,0 +1,447 @@
+"""The expert heatmap: every expert of every layer on one screen.
+
+Two layers share a terminal row through the upper half block (`▀`): the
+foreground paints layer 2i, the background layer 2i+1, so 48 layers fit in
+24 rows. When the experts do not fit across, the grid either scrolls
+sideways or folds into bands stacked vertically. Redraws are throttled,
+because the engine produces tokens faster than anyone can read them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+from rich.style import Style
+from rich.text import Text
+from textual import events
+from textual.binding import Binding
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from tierlab.engine.events import LEVEL_DISK, LEVEL_GPU, LEVEL_RAM
+
+MODES = ("residency", "heat", "token", "swaps")
+FOLDS = ("auto", "fold", "scroll")
+GUTTER = 4
+"""Columns for the row labels (the even layer of each row)."""
+MAX_REDRAWS_PER_SECOND = 10
+
+BLANK = "#161b22"
+LEVEL_COLORS = {LEVEL_DISK: "#30363d", LEVEL_RAM: "#1f6feb", LEVEL_GPU: "#238636"}
+CHOSEN_COLORS = {LEVEL_DISK: "#ff7b72", LEVEL_RAM: "#79c0ff", LEVEL_GPU: "#7ee787"}
+SWAPPED_COLOR = "#f778ba"
+CURSOR_COLOR = "#ffffff"
+HEAT_RAMP = ("#161b22", "#2d1b4e", "#58207a", "#8e2c7d", "#c53e6b", "#ea6a4a", "#f7a23b", "#fbe26a")
+LEVEL_NAMES = {LEVEL_DISK: "disk", LEVEL_RAM: "RAM cache", LEVEL_GPU: "GPU tier"}
+
+
+@dataclass
+class HeatmapData:
+    """What the heatmap shows: one value per (layer, expert) for each view."""
+
+    levels: np.ndarray  # int8[L, E]: 2 GPU tier, 1 RAM cache, 0 disk
+    heat: np.ndarray  # int64[L, E]: routing counts so far
+    chosen: np.ndarray  # bool[L, E]: run for the latest token
+    swapped: np.ndarray  # bool[L, E]: chosen only because resident (latest token)
+    last_use: np.ndarray  # int64[L, E]: token index of the latest use, -1 never
+    swap_counts: np.ndarray = field(default=None)  # type: ignore[assignment]  # int64[L, E]
+    token: int = -1
+
+    def __post_init__(self) -> None:
+        if self.swap_counts is None:
+            self.swap_counts = np.zeros(self.levels.shape, dtype=np.int64)
+
+    @classmethod
+    def empty(cls, n_layers: int, n_experts: int) -> "HeatmapData":
+        shape = (n_layers, n_experts)
+        return cls(
+            levels=np.zeros(shape, np.int8),
+            heat=np.zeros(shape, np.int64),
+            chosen=np.zeros(shape, bool),
+            swapped=np.zeros(shape, bool),
+            last_use=np.full(shape, -1, np.int64),
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.levels.shape)  # type: ignore[return-value]
+
+
+@lru_cache(maxsize=1024)
+def half_block_style(top: str, bottom: str) -> Style:
+    """One cell showing `top` in its upper half and `bottom` in its lower half."""
+    return Style(color=top, bgcolor=bottom)
+
+
+def ramp_colors(values: np.ndarray, ramp: tuple[str, ...] = HEAT_RAMP) -> np.ndarray:
+    """Map values in [0, 1] onto a colour ramp; exact zeros stay on the ramp's first colour."""
+    steps = len(ramp) - 1
+    index = np.where(values > 0, 1 + np.floor(np.clip(values, 0, 1) * (steps - 1) + 0.5), 0).astype(int)
+    return np.asarray(ramp, dtype=object)[np.clip(index, 0, steps)]
+
+
+def heat_fraction(counts: np.ndarray) -> np.ndarray:
+    """Log-scaled heat per layer: 1 for a layer's hottest expert, 0 for a never-used one."""
+    counts = np.asarray(counts, dtype=np.float64)
+    peak = counts.max(axis=1, keepdims=True) if counts.size else counts
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = np.log1p(counts) / np.log1p(np.maximum(peak, 1))
+    return np.nan_to_num(frac)
+
+
+def cell_colors(data: HeatmapData, mode: str) -> np.ndarray:
+    """The colour of every (layer, expert) cell in a view mode, as an object array of hex strings."""
+    if mode == "heat":
+        return ramp_colors(heat_fraction(data.heat))
+    if mode == "swaps":
+        peak = max(int(data.swap_counts.max(initial=0)), 1)
+        colors = ramp_colors(np.log1p(data.swap_counts) / math.log1p(peak))
+        colors[data.swapped] = SWAPPED_COLOR
+        return colors
+    levels = np.clip(data.levels, LEVEL_DISK, LEVEL_GPU)
+    chosen_colors = np.vectorize(CHOSEN_COLORS.get, otypes=[object])(levels)
+    if mode == "token":
+        colors = np.full(data.shape, BLANK, dtype=object)
+    else:
+        colors = np.vectorize(LEVEL_COLORS.get, otypes=[object])(levels)
+    colors[data.chosen] = chosen_colors[data.chosen]
+    colors[data.swapped & data.chosen] = SWAPPED_COLOR
+    return colors
+
+
+LEGENDS = {
+    "residency": [(LEVEL_COLORS[2], "GPU"), (LEVEL_COLORS[1], "RAM"), (LEVEL_COLORS[0], "disk"),
+                  (CHOSEN_COLORS[2], "now:GPU"), (CHOSEN_COLORS[1], "now:RAM"), (CHOSEN_COLORS[0], "now:miss"),
+                  (SWAPPED_COLOR, "swapped")],
+    "heat": [(HEAT_RAMP[1], "cold"), (HEAT_RAMP[4], "warm"), (HEAT_RAMP[-1], "hottest in layer"), (HEAT_RAMP[0], "never")],
+    "token": [(CHOSEN_COLORS[2], "GPU"), (CHOSEN_COLORS[1], "RAM hit"), (CHOSEN_COLORS[0], "disk miss"),
+              (SWAPPED_COLOR, "swapped in")],
+    "swaps": [(HEAT_RAMP[2], "few swaps"), (HEAT_RAMP[-1], "most swaps"), (SWAPPED_COLOR, "swapped now")],
+}
+
+
+@dataclass(frozen=True)
+class GridLine:
+    """One line of the grid area: a ruler ("header") or a row of two layers."""
+
+    kind: str
+    first_expert: int
+    last_expert: int  # exclusive
+    row: int = 0  # row index = layer pair (layers 2*row, 2*row+1)
+
+
+class ExpertHeatmap(Widget, can_focus=True):
+    """Layers x experts, coloured by residency, heat, this token or swaps, with a cursor."""
+
+    DEFAULT_CSS = """
+    ExpertHeatmap {
+        height: 1fr;
+        width: 1fr;
+    }
+    ExpertHeatmap > .heatmap--ruler { color: $text-muted; }
+    ExpertHeatmap > .heatmap--info { color: $text; }
+    ExpertHeatmap > .heatmap--legend { color: $text-muted; }
+    """
+    COMPONENT_CLASSES = {"heatmap--ruler", "heatmap--info", "heatmap--legend"}
+
+    BINDINGS = [
+        Binding("left", "move(0, -1)", "Expert left", show=False),
+        Binding("right", "move(0, 1)", "Expert right", show=False),
+        Binding("up", "move(-1, 0)", "Layer up", show=False),
+        Binding("down", "move(1, 0)", "Layer down", show=False),
+        Binding("pageup", "page(-1)", "Page left", show=False),
+        Binding("pagedown", "page(1)", "Page right", show=False),
+        Binding("home", "edge(0)", "First expert", show=False),
+        Binding("end", "edge(1)", "Last expert", show=False),
+        Binding("m", "cycle_mode", "View mode"),
+        Binding("f", "cycle_fold", "Fold/scroll"),
+    ]
+
+    mode: reactive[str] = reactive("residency")
+    fold: reactive[str] = reactive("auto")
+    cursor: reactive[tuple[int, int]] = reactive((0, 0))
+    hover: reactive[tuple[int, int] | None] = reactive(None)
+
+    class CellSelected(Message):
+        """The cursor moved onto a cell."""
+
+        def __init__(self, heatmap: "ExpertHeatmap", layer: int, expert: int) -> None:
+            super().__init__()
+            self.heatmap = heatmap
+            self.layer = layer
+            self.expert = expert
+
+    def __init__(self, data: HeatmapData | None = None, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.data = data
+        self.x_offset = 0
+        self.y_offset = 0
+        self.redraw_count = 0
+        self._dirty = False
+        self._colors: np.ndarray | None = None
+
+    def on_mount(self) -> None:
+        self.set_interval(1 / MAX_REDRAWS_PER_SECOND, self._flush, name="heatmap-throttle")
+
+    # -- data ------------------------------------------------------------
+
+    def update_data(self, data: HeatmapData, *, now: bool = False) -> None:
+        """Take new arrays; the screen catches up at the next throttle tick (or at once with `now`)."""
+        self.data = data
+        self._colors = None
+        if self.cursor[0] >= data.shape[0] or self.cursor[1] >= data.shape[1]:
+            self.cursor = (0, 0)
+        if now:
+            self._dirty = False
+            self.refresh()
+        else:
+            self._dirty = True
+
+    def _flush(self) -> None:
+        if self._dirty:
+            self._dirty = False
+            self.refresh()
+
+    def colors(self) -> np.ndarray:
+        """Colours of every cell in the current mode (cached until the data or mode changes)."""
+        assert self.data is not None
+        if self._colors is None:
+            self._colors = cell_colors(self.data, self.mode)
+        return self._colors
+
+    def watch_mode(self) -> None:
+        self._colors = None
+        self.refresh()
+
+    def watch_fold(self) -> None:
+        self.y_offset = 0
+        self.x_offset = 0
+        self._scroll_to_cursor()
+        self.refresh()
+
+    def watch_hover(self) -> None:
+        self.refresh()
+
+    def watch_cursor(self, cursor: tuple[int, int]) -> None:
+        self._scroll_to_cursor()
+        self.refresh()
+        self.post_message(self.CellSelected(self, *cursor))
+
+    # -- geometry --------------------------------------------------------
+
+    @property
+    def grid_width(self) -> int:
+        return max(1, self.size.width - GUTTER)
+
+    @property
+    def grid_height(self) -> int:
+        """Lines for the grid: everything but the legend and the info line."""
+        return max(1, self.size.height - 2)
+
+    def is_folded(self) -> bool:
+        if self.data is None or self.fold == "scroll":
+            return False
+        if self.fold == "fold":
+            return True
+        n_layers, n_experts = self.data.shape
+        bands = math.ceil(n_experts / self.grid_width)
+        return bands > 1 and bands * (math.ceil(n_layers / 2) + 1) <= self.grid_height
+
+    def grid_lines(self) -> list[GridLine]:
+        """Every line of the grid, before vertical scrolling."""
+        if self.data is None:
+            return []
+        n_layers, n_experts = self.data.shape
+        rows = math.ceil(n_layers / 2)
+        if self.is_folded():
+            bands = [(start, min(n_experts, start + self.grid_width)) for start in range(0, n_experts, self.grid_width)]
+        else:
+            bands = [(self.x_offset, min(n_experts, self.x_offset + self.grid_width))]
+        lines = []
+        for first, last in bands:
+            lines.append(GridLine("header", first, last))
+            lines.extend(GridLine("row", first, last, row) for row in range(rows))
+        return lines
+
+    def _scroll_to_cursor(self) -> None:
+        if self.data is None or not self.size.width:
+            return
+        layer, expert = self.cursor
+        if not self.is_folded():
+            if expert < self.x_offset:
+                self.x_offset = expert
+            elif expert >= self.x_offset + self.grid_width:
+                self.x_offset = expert - self.grid_width + 1
+        for index, line in enumerate(self.grid_lines()):
+            if line.kind == "row" and line.row == layer // 2 and line.first_expert <= expert < line.last_expert:
+                if index < self.y_offset + 1:
+                    self.y_offset = max(0, index - 1)
+                elif index >= self.y_offset + self.grid_height:
+                    self.y_offset = index - self.grid_height + 1
+                break
+
+    def cell_at(self, x: int, y: int) -> tuple[int, int, int] | None:
+        """(expert, top layer, bottom layer or -1) under screen cell (x, y), or None."""
+        if self.data is None or x < GUTTER or y >= self.grid_height:
+            return None
+        lines = self.grid_lines()
+        index = self.y_offset + y
+        if index >= len(lines) or lines[index].kind != "row":
+            return None
+        line = lines[index]
+        expert = line.first_expert + x - GUTTER
+        if expert >= line.last_expert:
+            return None
+        top = 2 * line.row
+        bottom = top + 1 if top + 1 < self.data.shape[0] else -1
+        return expert, top, bottom
+
+    # -- actions ---------------------------------------------------------
+
+    def action_move(self, layers: int, experts: int) -> None:
+        if self.data is None:
+            return
+        n_layers, n_experts = self.data.shape
+        layer, expert = self.cursor
+        self.cursor = (min(n_layers - 1, max(0, layer + layers)), min(n_experts - 1, max(0, expert + experts)))
+
+    def action_page(self, direction: int) -> None:
+        self.action_move(0, direction * self.grid_width)
+
+    def action_edge(self, which: int) -> None:
+        if self.data is not None:
+            self.cursor = (self.cursor[0], (self.data.shape[1] - 1) if which else 0)
+
+    def action_cycle_mode(self) -> None:
+        self.mode = MODES[(MODES.index(self.mode) + 1) % len(MODES)]
+
+    def action_cycle_fold(self) -> None:
+        self.fold = FOLDS[(FOLDS.index(self.fold) + 1) % len(FOLDS)]
+
+    # -- mouse -----------------------------------------------------------
+
+    def on_mouse_move(self, event: events.MouseMove) -> None:
+        cell = self.cell_at(event.x, event.y)
+        self.hover = None if cell is None else (cell[1], cell[0])
+
+    def on_leave(self, event: events.Leave) -> None:
+        self.hover = None
+
+    def on_click(self, event: events.Click) -> None:
+        cell = self.cell_at(event.x, event.y)
+        if cell is not None:
+            self.focus()
+            self.cursor = (cell[1], cell[0])
+
+    def on_mouse_scroll_down(self, event: events.MouseScrollDown) -> None:
+        self._scroll_lines(1)
+
+    def on_mouse_scroll_up(self, event: events.MouseScrollUp) -> None:
+        self._scroll_lines(-1)
+
+    def _scroll_lines(self, amount: int) -> None:
+        limit = max(0, len(self.grid_lines()) - self.grid_height)
+        self.y_offset = min(limit, max(0, self.y_offset + amount))
+        self.refresh()
+
+    # -- text ------------------------------------------------------------
+
+    def describe(self, layer: int, expert: int) -> str:
+        """One line about one cell: layer, expert, level, heat and last use."""
+        if self.data is None:
+            return ""
+        data = self.data
+        level = int(data.levels[layer, expert])
+        heat = int(data.heat[layer, expert])
+        total = int(data.heat[layer].sum())
+        share = f" ({100 * heat / total:.1f}%)" if total else ""
+        last = int(data.last_use[layer, expert])
+        parts = [
+            f"L{layer} E{expert}",
+            LEVEL_NAMES.get(level, f"level {level}"),
+            f"heat {heat:,}{share}",
+            f"last use #{last}" if last >= 0 else "never used",
+        ]
+        if data.chosen[layer, expert]:
+            parts.append("swapped in now" if data.swapped[layer, expert] else "chosen now")
+        if data.swap_counts[layer, expert]:
+            parts.append(f"swaps {int(data.swap_counts[layer, expert])}")
+        return " · ".join(parts)
+
+    def info_text(self) -> str:
+        if self.data is None:
+            return "no model"
+        if self.hover is not None:
+            layer, expert = self.hover
+            below = layer + 1
+            text = self.describe(layer, expert)
+            if below < self.data.shape[0]:
+                text += "  |  " + self.describe(below, expert).split(" ", 1)[1]
+            return text
+        return self.describe(*self.cursor)
+
+    def _ruler(self, first: int, last: int) -> str:
+        width = last - first
+        chars = [" "] * width
+        step = 8 if width >= 32 else 4
+        for expert in range(first, last):
+            if expert % step == 0:
+                label = str(expert)
+                offset = expert - first
+                if offset + len(label) <= width and all(c == " " for c in chars[max(0, offset - 1): offset + len(label)]):
+                    chars[offset: offset + len(label)] = label
+        return "".join(chars)
+
+    def render(self) -> Text:
+        self.redraw_count += 1
+        text = Text(no_wrap=True, overflow="crop", end="")
+        if self.data is None or self.data.levels.size == 0:
+            text.append("no model loaded")
+            return text
+        n_layers, n_experts = self.data.shape
+        colors = self.colors()
+        ruler_style = self.get_component_rich_style("heatmap--ruler")
+        cursor_layer, cursor_expert = self.cursor
+        show_cursor = self.has_focus
+        lines = self.grid_lines()
+        visible = lines[self.y_offset: self.y_offset + self.grid_height]
+        for line in visible:
+            if line.kind == "header":
+                text.append("exp ".ljust(GUTTER), ruler_style)
+                ruler = self._ruler(line.first_expert, line.last_expert)
+                if not self.is_folded() and n_experts > self.grid_width:
+                    where = f" ◀{line.first_expert}–{line.last_expert - 1} of {n_experts}▶"
+                    ruler = ruler[: max(0, len(ruler) - len(where))] + where
+                text.append(ruler, ruler_style)
+                text.append("\n")
+                continue
+            top = 2 * line.row
+            bottom = top + 1
+            text.append(f"{top:>3} ", ruler_style)
+            for expert in range(line.first_expert, line.last_expert):
+                top_color = colors[top, expert]
+                bottom_color = colors[bottom, expert] if bottom < n_layers else "default"
+                if show_cursor and expert == cursor_expert:
+                    if cursor_layer == top:
+                        top_color = CURSOR_COLOR
+                    elif cursor_layer == bottom:
+                        bottom_color = CURSOR_COLOR
+                if bottom_color == "default":
+                    text.append("▀", Style(color=top_color))
+                else:
+                    text.append("▀", half_block_style(top_color, bottom_color))
+            text.append("\n")
+        for _ in range(self.grid_height - len(visible)):
+            text.append("\n")
+        legend_style = self.get_component_rich_style("heatmap--legend")
+        text.append(f"{self.mode}: ", legend_style)
+        for color, label in LEGENDS[self.mode]:
+            text.append("■", Style(color=color))
+            text.append(f"{label} ", legend_style)
+        text.append("\n")
+        text.append(self.info_text(), self.get_component_rich_style("heatmap--info"))
+        return text

@@ -1,0 +1,158 @@
+"""Meters: the routing and cache figures of the running session.
+
+Each meter shows its current value and a sparkline of its recent past; a
+plot below draws hit rate and speed over tokens with a vertical mark at
+every knob change, so the effect of a change is visible where it happened.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Label, Sparkline, Static
+from textual_plotext import PlotextPlot
+
+HISTORY = 400
+"""Tokens of history kept for sparklines and the plot."""
+
+
+def percent(value: float) -> str:
+    return f"{100 * value:5.1f}%"
+
+
+@dataclass(frozen=True)
+class MeterSpec:
+    key: str
+    label: str
+    fmt: Callable[[float], str]
+    help: str
+
+
+METERS: tuple[MeterSpec, ...] = (
+    MeterSpec("ram_hit", "RAM hit", percent, "experts found in the RAM cache"),
+    MeterSpec("vram_hit", "VRAM hit", percent, "experts served by the GPU tier"),
+    MeterSpec("oracle_hit", "oracle hit", percent, "hit rate of an optimal (Belady) cache on the same requests"),
+    MeterSpec("swap", "swap", percent, "chosen slots filled by a resident substitute"),
+    MeterSpec("route_agree", "agree", percent, "overlap of chosen experts with the true top-K"),
+    MeterSpec("route_kl", "KL", lambda v: f"{v:6.3f}", "KL(true top-K || chosen), nats"),
+    MeterSpec("tok_s", "tok/s", lambda v: f"{v:6.1f}", "tokens per second"),
+    MeterSpec("fetch_ms", "fetch ms", lambda v: f"{v:6.2f}", "expert fetch time per token"),
+    MeterSpec("compute_ms", "compute ms", lambda v: f"{v:6.2f}", "compute time per token"),
+)
+
+
+@dataclass
+class KnobMark:
+    """A knob change, placed at the token it first applied to."""
+
+    token: int
+    label: str
+
+
+@dataclass
+class MeterHistory:
+    """Meter values per token, plus where knobs changed."""
+
+    limit: int = HISTORY
+    tokens: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    series: dict[str, deque] = field(default_factory=dict)
+    latest: dict[str, float] = field(default_factory=dict)
+    marks: list[KnobMark] = field(default_factory=list)
+
+    def add(self, token: int, meters: Mapping[str, float]) -> None:
+        """Record one token's meters."""
+        self.tokens.append(token)
+        for spec in METERS:
+            value = float(meters.get(spec.key, 0.0) or 0.0)
+            self.series.setdefault(spec.key, deque(maxlen=self.limit)).append(value)
+        self.latest = {key: float(value) for key, value in meters.items() if isinstance(value, (int, float))}
+
+    def mark(self, token: int, label: str) -> None:
+        """Remember a knob change at `token`."""
+        self.marks.append(KnobMark(token, label))
+
+    def values(self, key: str) -> list[float]:
+        return list(self.series.get(key, ()))
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.series.clear()
+        self.latest.clear()
+        self.marks.clear()
+
+
+class MeterRow(Horizontal):
+    """One meter: label, current value, sparkline."""
+
+    DEFAULT_CSS = """
+    MeterRow { height: 1; }
+    MeterRow > .meter--label { width: 11; color: $text-muted; }
+    MeterRow > .meter--value { width: 16; text-align: right; padding-right: 1; }
+    MeterRow > Sparkline { width: 1fr; height: 1; }
+    """
+
+    def __init__(self, spec: MeterSpec) -> None:
+        super().__init__(id=f"meter-{spec.key}")
+        self.spec = spec
+        self.tooltip = spec.help
+
+    def compose(self) -> ComposeResult:
+        yield Label(self.spec.label, classes="meter--label")
+        yield Static("    –", classes="meter--value")
+        yield Sparkline([], summary_function=max)
+
+    def show(self, latest: Mapping[str, float], history: Iterable[float]) -> None:
+        value = latest.get(self.spec.key)
+        text = "    –" if value is None else self.spec.fmt(value)
+        if self.spec.key == "swap" and "swaps_to_vram" in latest:
+            text = f"{text} {int(latest['swaps_to_vram'])}→V"
+        self.query_one(".meter--value", Static).update(text)
+        self.query_one(Sparkline).data = list(history)
+
+
+class MetersPanel(Vertical):
+    """All meters, one per row."""
+
+    DEFAULT_CSS = """
+    MetersPanel { height: auto; }
+    """
+
+    def compose(self) -> ComposeResult:
+        for spec in METERS:
+            yield MeterRow(spec)
+
+    def show(self, history: MeterHistory) -> None:
+        """Draw the latest values and the recent past from `history`."""
+        for row in self.query(MeterRow):
+            row.show(history.latest, history.values(row.spec.key))
+
+
+class MeterPlot(PlotextPlot):
+    """Hit rates and tokens/s over tokens, with a vertical line at each knob change."""
+
+    DEFAULT_CSS = """
+    MeterPlot { height: 1fr; min-height: 6; }
+    """
+
+    def show(self, history: MeterHistory) -> None:
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title("hit rate % and tok/s over tokens")
+        tokens = list(history.tokens)
+        if tokens:
+            plt.plot(tokens, [100 * v for v in history.values("ram_hit")], label="RAM hit %", marker="braille", color="cyan")
+            if any(history.values("vram_hit")):
+                plt.plot(tokens, [100 * v for v in history.values("vram_hit")], label="VRAM hit %", marker="braille", color="green")
+            plt.plot(tokens, history.values("tok_s"), label="tok/s", marker="braille", color="orange", yside="right")
+            first = tokens[0]
+            for mark in history.marks:
+                if mark.token >= first:
+                    plt.vline(mark.token, "magenta")
+            plt.xlim(first, max(tokens[-1], first + 1))
+        plt.ylim(0, 100, yside="left")
+        self.refresh()
