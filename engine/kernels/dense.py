@@ -1,0 +1,293 @@
+"""Numba kernels for the dense part of a decoder layer.
+
+All kernels release the GIL (`nogil`) so the terminal app stays live while
+the engine works, and are cached on disk. Weights are float32 or bf16 kept
+as uint16; bf16 is widened exactly by shifting into the high half of a
+float32. Accumulation is in float32, which matches transformers' float32
+path to well under 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+_ROWS_PER_BLOCK = 16
+
+
+@njit(nogil=True, fastmath=True, cache=True, parallel=True)
+def matvec_f32(w, x, out):
+    """out[r] = w[r, :] . x for a float32 matrix."""
+    rows, cols = w.shape
+    for r in prange(rows):
+        acc = np.float32(0.0)
+        for c in range(cols):
+            acc += w[r, c] * x[c]
+        out[r] = acc
+
+
+@njit(nogil=True, fastmath=True, cache=True, parallel=True)
+def matvec_bf16(w, x, out):
+    """out[r] = w[r, :] . x for a bf16 matrix stored as uint16."""
+    rows, cols = w.shape
+    n_blocks = (rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
+    for b in prange(n_blocks):
+        wide = np.empty(cols, dtype=np.uint32)
+        as_f32 = wide.view(np.float32)
+        r_end = min(rows, (b + 1) * _ROWS_PER_BLOCK)
+        for r in range(b * _ROWS_PER_BLOCK, r_end):
+            for c in range(cols):
+                wide[c] = np.uint32(w[r, c]) << np.uint32(16)
+            acc = np.float32(0.0)
+            for c in range(cols):
+                acc += as_f32[c] * x[c]
+            out[r] = acc
+
+
+def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Dispatch on the storage dtype; x is float32[cols]."""
+    if out is None:
+        out = np.empty(w.shape[0], dtype=np.float32)
+    if w.dtype == np.uint16:
+        matvec_bf16(w, x, out)
+    else:
+        matvec_f32(w, x, out)
+    return out
+
+
+def widen(w: np.ndarray) -> np.ndarray:
+    if w.dtype == np.uint16:
+        return (w.astype(np.uint32) << 16).view(np.float32)
+    return w
+
+
+def linear(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y = x @ w.T for one token (matvec kernel) or several (BLAS matmul)."""
+    if x.ndim == 1:
+        return matvec(w, x)
+    if x.shape[0] == 1:
+        return matvec(w, x[0])[None, :]
+    return np.ascontiguousarray(x @ widen(w).T, dtype=np.float32)
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def rms_norm(x, w, eps, zero_centred, out):
+    """Row-wise RMSNorm of x [T, D]; zero-centred (Qwen3.5) scales by 1 + w."""
+    t_count, d = x.shape
+    for t in range(t_count):
+        ss = 0.0
+        for i in range(d):
+            ss += np.float64(x[t, i]) * x[t, i]
+        inv = np.float32(1.0 / math.sqrt(ss / d + eps))
+        for i in range(d):
+            scale = np.float32(1.0) + w[i] if zero_centred else w[i]
+            out[t, i] = (x[t, i] * inv) * scale
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, zero_centred: bool) -> np.ndarray:
+    x2 = x.reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    rms_norm(x2, w, eps, zero_centred, out)
+    return out.reshape(x.shape)
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def rope_inplace(x, positions, inv_freq, rotary_dim):
+    """Rotate-half RoPE on the first rotary_dim dims of x [T, heads, head_dim]."""
+    t_count, heads, _ = x.shape
+    half = rotary_dim // 2
+    for t in range(t_count):
+        pos = np.float32(positions[t])
+        for i in range(half):
+            ang = np.float32(pos * inv_freq[i])
+            c = np.float32(math.cos(ang))
+            s = np.float32(math.sin(ang))
+            for h in range(heads):
+                a = x[t, h, i]
+                b = x[t, h, i + half]
+                x[t, h, i] = a * c - b * s
+                x[t, h, i + half] = b * c + a * s
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def attention(q, k_cache, v_cache, start, out):
+    """Causal GQA attention for T new tokens at positions start..start+T-1.
+
+    q: [T, Hq, d]; k_cache, v_cache: [Hkv, maxT, d] already holding the new
+    tokens; out: [T, Hq, d]. Scores are scaled by 1/sqrt(d) and softmaxed in
+    float32.
+    """
+    t_count, n_heads, d = q.shape
+    n_kv = k_cache.shape[0]
+    group = n_heads // n_kv
+    scale = np.float32(1.0 / math.sqrt(d))
+    scores = np.empty(start + t_count, dtype=np.float32)
+    for t in range(t_count):
+        length = start + t + 1
+        for h in range(n_heads):
+            kvh = h // group
+            m = np.float32(-np.inf)
+            for j in range(length):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    acc += q[t, h, i] * k_cache[kvh, j, i]
+                acc *= scale
+                scores[j] = acc
+                if acc > m:
+                    m = acc
+            total = np.float32(0.0)
+            for j in range(length):
+                e = np.float32(math.exp(scores[j] - m))
+                scores[j] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for i in range(d):
+                out[t, h, i] = 0.0
+            for j in range(length):
+                p = scores[j] * inv
+                for i in range(d):
+                    out[t, h, i] += p * v_cache[kvh, j, i]
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def _sigmoid(v):
+    return np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-v)))
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def _softplus(v):
+    if v > 20.0:
+        return v
+    return np.float32(math.log1p(math.exp(v)))
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, eps,
+                   state, k_heads, v_heads, dk, dv, out):
+    """Gated DeltaNet over T tokens, updating conv and recurrent state in place.
+
+    mixed: [T, C] the in_proj_qkv outputs (rows q | k | v), C = 2*k_heads*dk + v_heads*dv
+    conv_state: [K-1, C] the previous K-1 inputs (zeros at the start)
+    conv_w: [C, K] depthwise causal kernel, last tap = current token
+    z: [T, v_heads*dv]; b, a: [T, v_heads]
+    state: [v_heads, dk, dv] float32 recurrent state
+    out: [T, v_heads*dv] gated-normed output before out_proj
+    """
+    t_count, channels = mixed.shape
+    ksize = conv_w.shape[1]
+    key_dim = k_heads * dk
+    ratio = v_heads // k_heads
+    conv_out = np.empty(channels, dtype=np.float32)
+    q = np.empty((k_heads, dk), dtype=np.float32)
+    k = np.empty((k_heads, dk), dtype=np.float32)
+    o = np.empty(dv, dtype=np.float32)
+    m = np.empty(dv, dtype=np.float32)
+    q_scale = np.float32(1.0 / math.sqrt(dk))
+    for t in range(t_count):
+        # depthwise causal conv over the last K inputs, then SiLU
+        for c in range(channels):
+            acc = np.float32(0.0)
+            for j in range(ksize - 1):
+                acc += conv_w[c, j] * conv_state[j, c]
+            acc += conv_w[c, ksize - 1] * mixed[t, c]
+            conv_out[c] = acc / (np.float32(1.0) + np.float32(math.exp(-acc)))
+        for j in range(ksize - 2):
+            for c in range(channels):
+                conv_state[j, c] = conv_state[j + 1, c]
+        if ksize > 1:
+            for c in range(channels):
+                conv_state[ksize - 2, c] = mixed[t, c]
+        # L2-normalised q (scaled by 1/sqrt(dk)) and k per key head
+        for hk in range(k_heads):
+            sq = np.float32(0.0)
+            sk = np.float32(0.0)
+            for i in range(dk):
+                qv = conv_out[hk * dk + i]
+                kv = conv_out[key_dim + hk * dk + i]
+                sq += qv * qv
+                sk += kv * kv
+            iq = np.float32(1.0 / math.sqrt(sq + 1e-6)) * q_scale
+            ik = np.float32(1.0 / math.sqrt(sk + 1e-6))
+            for i in range(dk):
+                q[hk, i] = conv_out[hk * dk + i] * iq
+                k[hk, i] = conv_out[key_dim + hk * dk + i] * ik
+        for hv in range(v_heads):
+            hk = hv // ratio
+            beta = _sigmoid(b[t, hv])
+            g = -np.float32(math.exp(a_log[hv])) * _softplus(a[t, hv] + dt_bias[hv])
+            decay = np.float32(math.exp(g))
+            vbase = 2 * key_dim + hv * dv
+            for j in range(dv):
+                m[j] = 0.0
+            for i in range(dk):
+                ki = k[hk, i]
+                for j in range(dv):
+                    s = state[hv, i, j] * decay
+                    state[hv, i, j] = s
+                    m[j] += s * ki
+            for j in range(dv):
+                m[j] = beta * (conv_out[vbase + j] - m[j])
+            for j in range(dv):
+                o[j] = 0.0
+            for i in range(dk):
+                ki = k[hk, i]
+                qi = q[hk, i]
+                for j in range(dv):
+                    s = state[hv, i, j] + ki * m[j]
+                    state[hv, i, j] = s
+                    o[j] += s * qi
+            # gated RMSNorm with the plain weight, then * silu(z)
+            ss = np.float32(0.0)
+            for j in range(dv):
+                ss += o[j] * o[j]
+            inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
+            for j in range(dv):
+                zz = z[t, hv * dv + j]
+                out[t, hv * dv + j] = norm_w[j] * (o[j] * inv) * (zz / (np.float32(1.0) + np.float32(math.exp(-zz))))
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def softmax_row(logits, out):
+    m = logits[0]
+    for i in range(1, logits.shape[0]):
+        if logits[i] > m:
+            m = logits[i]
+    total = 0.0
+    for i in range(logits.shape[0]):
+        e = math.exp(np.float64(logits[i]) - m)
+        out[i] = e
+        total += e
+    for i in range(logits.shape[0]):
+        out[i] = out[i] / total
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def topk_desc(values, k, idx_out):
+    """Indices of the k largest values, largest first; ties go to the lower index."""
+    n = values.shape[0]
+    taken = np.zeros(n, dtype=np.bool_)
+    for slot in range(k):
+        best = -1
+        for i in range(n):
+            if taken[i]:
+                continue
+            if best < 0 or values[i] > values[best]:
+                best = i
+        idx_out[slot] = best
+        taken[best] = True
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def silu_mul(gate, up, out):
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        out[i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i]
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def axpy(y, w, x):
+    """y += w * x."""
+    for i in range(y.shape[0]):
+        y[i] += w * x[i]

@@ -1,0 +1,309 @@
+"""The engine: a loaded model, its sequence state, its tiers and its levers.
+
+`load_engine(dir)` accepts a Hugging Face folder (config.json + safetensors
++ tokenizer) or a tierlab quantised container. Dense weights are loaded up
+front; experts never are: they stream through the RAM cache (and the GPU
+tier when one is attached) as the router asks for them.
+
+One forward pass takes T >= 1 new tokens: a prompt uses matrix-matrix work
+for the projections, decode is T = 1. After each pass the engine publishes
+one TokenEvent per token to its subscribers (session logs, meters, the app).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from tierlab.engine.checkpoint import Checkpoint, to_f32
+from tierlab.engine.config import ModelConfig, load_config
+from tierlab.engine.errors import ModelError
+from tierlab.engine.events import LEVEL_GPU, TokenEvent
+from tierlab.engine.expert_cache import ExpertCache
+from tierlab.engine.expert_source import RawExpertSource
+from tierlab.engine.kernels.dense import linear, rmsnorm
+from tierlab.engine.knobs import Knobs
+from tierlab.engine.models import ARCHITECTURES
+from tierlab.engine.moe import DenseBlock, MoEBlock
+from tierlab.engine.sampling import Sampler
+
+CONTAINER_MANIFEST = "tierlab_container.json"
+TIMER_NAMES = ("attention", "deltanet", "router", "fetch", "compute", "shared", "tier", "lm_head", "other")
+
+
+class Layer:
+    def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, index: int) -> None:
+        arch = ARCHITECTURES[cfg.arch]
+        H = cfg.hidden_size
+        self.index = index
+        self.kind = cfg.layer_types[index]
+        self.mixer = arch.build_mixer(ckpt, cfg, index)
+        self.input_norm = ckpt.load_f32(f"layers.{index}.input_layernorm.weight", (H,))
+        self.post_norm = ckpt.load_f32(f"layers.{index}.post_attention_layernorm.weight", (H,))
+        self.mlp = MoEBlock(ckpt, cfg, index) if cfg.moe_layers[index] else DenseBlock(ckpt, cfg, index)
+
+
+class Engine:
+    def __init__(self, model_dir: Path, cfg: ModelConfig, ckpt: Checkpoint, source, cache_slots: int | None,
+                 knobs: Knobs | None, tokenizer=None) -> None:
+        self.model_dir = model_dir
+        self.config = cfg
+        self.ckpt = ckpt
+        self.knobs = knobs or Knobs.from_env()
+        self.tokenizer = tokenizer
+        self.embed = ckpt.load("embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.final_norm = ckpt.load_f32("norm.weight", (cfg.hidden_size,))
+        if cfg.tie_embeddings or not ckpt.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = ckpt.load("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        self.layers = [Layer(ckpt, cfg, i) for i in range(cfg.n_layers)]
+        slots = cfg.n_experts if cache_slots is None else cache_slots
+        if slots < 1:
+            raise ModelError(f"--cache must be at least 1 (got {slots})")
+        self.cache = ExpertCache(source, cfg.n_layers, cfg.n_experts, slots, cfg.moe_layers)
+        self.tier = None
+        self.router = None
+        self.heat = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)
+        #: per MoE layer, the expert ids requested by each token (for the Belady bound)
+        self.requests: list[list[np.ndarray]] = [[] for _ in range(cfg.n_layers)]
+        self.timers: dict[str, float] = defaultdict(float)
+        self.tokens_timed = 0
+        self._listeners: list[Callable[[TokenEvent], None]] = []
+        self._lock = threading.RLock()
+        self.notices: list[str] = []
+        self.reset()
+
+    # -- public state ------------------------------------------------------------
+    def subscribe(self, listener: Callable[[TokenEvent], None]) -> None:
+        self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Callable[[TokenEvent], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def notice(self, text: str) -> None:
+        """One line for the user (CLI prints it to stderr, the app as a notification)."""
+        self.notices.append(text)
+
+    def residency(self, layer: int) -> np.ndarray:
+        """Residency level of every expert of a layer: 2 GPU tier, 1 RAM cache, 0 disk."""
+        level = self.cache.in_ram[layer].copy()
+        if self.tier is not None:
+            level[self.tier.resident_mask(layer, self.config.n_experts)] = LEVEL_GPU
+        return level
+
+    def set_cache_slots(self, slots: int) -> None:
+        with self._lock:
+            self.cache.set_slots(slots)
+
+    def reset(self) -> None:
+        """Forget the sequence (KV cache, DeltaNet state); keep caches, tiers and meters."""
+        with getattr(self, "_lock", threading.RLock()):
+            self.states = [layer.mixer.new_state() for layer in self.layers]
+            self.pos = 0
+
+    def reset_meters(self) -> None:
+        self.cache.reset_counters()
+        self.heat[:] = 0
+        self.requests = [[] for _ in range(self.config.n_layers)]
+        self.timers = defaultdict(float)
+        self.tokens_timed = 0
+        if self.router is not None:
+            self.router.reset_meters()
+
+    # -- the forward pass -------------------------------------------------------
+    def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False, phase: str | None = None) -> np.ndarray:
+        """Feed T tokens at the current position; logits of the last (or all) positions."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("forward needs at least one token")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ModelError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        with self._lock:
+            return self._forward(ids, all_logits, phase or ("prefill" if ids.size > 1 else "decode"))
+
+    def _forward(self, ids: np.ndarray, all_logits: bool, phase: str) -> np.ndarray:
+        cfg = self.config
+        T = ids.size
+        ctx = _PassContext(self)
+        timers = ctx.timers
+        t_start = time.perf_counter()
+        x = to_f32(self.embed[ids]).reshape(T, cfg.hidden_size).copy()
+        routes_by_layer = []
+        zc = cfg.zero_centred_norm
+        for layer, state in zip(self.layers, self.states):
+            t0 = time.perf_counter()
+            h = rmsnorm(x, layer.input_norm, cfg.rms_eps, zc)
+            x += layer.mixer.forward(h, self.pos, state)
+            timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0
+            h = rmsnorm(x, layer.post_norm, cfg.rms_eps, zc)
+            out, routes = layer.mlp.forward(h, ctx)
+            x += out
+            routes_by_layer.append(routes)
+        t0 = time.perf_counter()
+        if all_logits:
+            xn = rmsnorm(x, self.final_norm, cfg.rms_eps, zc)
+            logits = linear(self.lm_head, xn)
+        else:
+            xn = rmsnorm(x[-1:], self.final_norm, cfg.rms_eps, zc)
+            logits = linear(self.lm_head, xn[0])
+        timers["lm_head"] += time.perf_counter() - t0
+        total = time.perf_counter() - t_start
+        timers["other"] += max(0.0, total - sum(timers[k] for k in TIMER_NAMES if k != "other"))
+        for k, v in timers.items():
+            self.timers[k] += v
+        self.timers["total"] += total
+        self.tokens_timed += T
+        start = self.pos
+        self.pos += T
+        self._publish(ids, start, phase, routes_by_layer, timers, T)
+        return logits
+
+    def _publish(self, ids, start, phase, routes_by_layer, timers, T) -> None:
+        if not self._listeners:
+            return
+        per_token_ms = {k: 1000.0 * v / T for k, v in timers.items()}
+        seq = getattr(self.knobs, "_seq", 0)
+        for t in range(T):
+            layers = [routes[t].as_event(i) for i, routes in enumerate(routes_by_layer) if routes]
+            event = TokenEvent(index=start + t, token_id=int(ids[t]), phase=phase, layers=layers,
+                               timings_ms=per_token_ms, knob_seq=seq)
+            for listener in list(self._listeners):
+                listener(event)
+
+    # -- generation -----------------------------------------------------------------
+    def prefill(self, ids, all_logits: bool = False) -> np.ndarray:
+        """Start a new sequence from `ids`."""
+        self.reset()
+        return self.forward(ids, all_logits=all_logits, phase="prefill")
+
+    def step(self, token_id: int) -> np.ndarray:
+        return self.forward([int(token_id)], phase="decode")
+
+    def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop_event: threading.Event | None = None, eos_ids=None) -> Iterator[int]:
+        """Yield new token ids; greedy at temperature 0; stops at EOS, max tokens or stop_event."""
+        sampler = Sampler(temperature, top_p, seed)
+        eos = set(self.eos_ids() if eos_ids is None else eos_ids)
+        logits = self.prefill(prompt_ids)
+        for _ in range(max_new_tokens):
+            if stop_event is not None and stop_event.is_set():
+                return
+            token = sampler.pick(logits)
+            yield token
+            if token in eos:
+                return
+            if stop_event is not None and stop_event.is_set():
+                return
+            logits = self.step(token)
+
+    def eos_ids(self) -> list[int]:
+        ids = set(self.config.eos_token_ids)
+        if self.tokenizer is not None:
+            ids.update(self.tokenizer.eos_ids)
+        return sorted(ids)
+
+    # -- meters ----------------------------------------------------------------------
+    def meters(self) -> dict:
+        """Current meter values (hit rates are shares in 0..1, times in ms per token)."""
+        cache = self.cache
+        slots_total = sum(len(r) * self.config.top_k for r in self.requests)
+        vram = getattr(self, "vram_served", 0)
+        n = max(self.tokens_timed, 1)
+        out = {
+            "ram_hit": cache.hit_rate(),
+            "ram_hits": int(cache.hits.sum()),
+            "ram_misses": int(cache.misses.sum()),
+            "vram_hit": vram / slots_total if slots_total else 0.0,
+            "tok_s": self.tokens_timed / self.timers["total"] if self.timers["total"] else 0.0,
+            "fetch_ms": 1000.0 * self.timers["fetch"] / n,
+            "compute_ms": 1000.0 * self.timers["compute"] / n,
+        }
+        if self.router is not None:
+            m = self.router.meters
+            out.update(swap=m.swap_pct, swaps_to_vram=int(m.swaps_vram), route_agree=m.route_agree, route_kl=m.route_kl)
+        return out
+
+    def close(self) -> None:
+        self.cache.source.close()
+        if self.tier is not None:
+            self.tier.close()
+
+
+class _PassContext:
+    """What the MoE blocks see during one forward pass."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.knobs = engine.knobs.snapshot()
+        self.cache = engine.cache
+        self.tier = engine.tier
+        self.router = engine.router
+        self.timers: dict[str, float] = defaultdict(float)
+        self.wants_levels = bool(engine._listeners) or engine.tier is not None
+
+    def residency(self, layer: int) -> np.ndarray:
+        return self.engine.residency(layer)
+
+    def after_route(self, layer: int, route) -> None:
+        engine = self.engine
+        chosen = route.chosen[route.chosen >= 0]
+        engine.heat[layer, chosen] += 1
+        engine.requests[layer].append(chosen.astype(np.int16))
+        if route.vram_served:
+            engine.vram_served = getattr(engine, "vram_served", 0) + route.vram_served
+
+    def tier_enqueue(self, layer: int, experts: list[int], x: np.ndarray):
+        return self.engine.tier_enqueue(layer, experts, x) if hasattr(self.engine, "tier_enqueue") else None
+
+    def tier_collect(self, handle):
+        return self.engine.tier_collect(handle) if hasattr(self.engine, "tier_collect") else None
+
+
+def open_expert_source(model_dir: Path, cfg: ModelConfig):
+    """The experts of a model folder: a quantised container, else the checkpoint itself."""
+    if (model_dir / CONTAINER_MANIFEST).exists():
+        from tierlab.engine.container import ContainerExpertSource
+
+        return ContainerExpertSource(model_dir)
+    return None
+
+
+def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Knobs | None = None,
+                with_tokenizer: bool = True) -> Engine:
+    """Load a model folder or container; raises ModelError (one line) on bad input."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelError("not a folder", model_dir)
+    cfg = load_config(model_dir)
+    source = open_expert_source(model_dir, cfg)
+    if source is not None:
+        ckpt = Checkpoint(model_dir, cfg, weight_files=["dense.safetensors"])
+        _check_container_dims(source, cfg, model_dir)
+    else:
+        ckpt = Checkpoint(model_dir, cfg)
+        source = RawExpertSource(ckpt)
+    tokenizer = None
+    if with_tokenizer and (model_dir / "tokenizer.json").exists():
+        from tierlab.engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_folder(model_dir)
+    engine = Engine(model_dir, cfg, ckpt, source, cache_slots, knobs, tokenizer)
+    from tierlab.engine.routing import Router
+
+    engine.router = Router(cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
+    return engine
+
+
+def _check_container_dims(source, cfg: ModelConfig, model_dir: Path) -> None:
+    if (source.hidden, source.inter) != (cfg.hidden_size, cfg.moe_inter):
+        raise ModelError(
+            f"container experts are {source.hidden}x{source.inter} but config.json says "
+            f"{cfg.hidden_size}x{cfg.moe_inter}", model_dir / CONTAINER_MANIFEST)
+

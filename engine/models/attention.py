@@ -1,0 +1,87 @@
+"""Full (softmax) attention with QK-norm, partial RoPE, GQA and a KV cache.
+
+Shared by both architectures: Qwen3-MoE uses plain norms and no output
+gate; Qwen3.5/3.6 uses zero-centred norms and a per-head sigmoid gate that
+rides along in q_proj (per head: query(d) | gate(d)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tierlab.engine.checkpoint import Checkpoint
+from tierlab.engine.config import ModelConfig
+from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace
+
+
+class KVCache:
+    """Keys and values of one attention layer, grown by doubling."""
+
+    def __init__(self, n_kv: int, head_dim: int, capacity: int = 256) -> None:
+        self.k = np.zeros((n_kv, capacity, head_dim), dtype=np.float32)
+        self.v = np.zeros((n_kv, capacity, head_dim), dtype=np.float32)
+
+    def ensure(self, length: int) -> None:
+        cap = self.k.shape[1]
+        if length <= cap:
+            return
+        while cap < length:
+            cap *= 2
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = np.zeros((old.shape[0], cap, old.shape[2]), dtype=np.float32)
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+
+
+class Attention:
+    def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> None:
+        H, nh, nkv, d = cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        p = f"layers.{layer}.self_attn."
+        self.cfg = cfg
+        self.gated = cfg.attn_output_gate
+        q_rows = nh * d * (2 if self.gated else 1)
+        self.wq = ckpt.load(p + "q_proj.weight", (q_rows, H))
+        self.wk = ckpt.load(p + "k_proj.weight", (nkv * d, H))
+        self.wv = ckpt.load(p + "v_proj.weight", (nkv * d, H))
+        self.wo = ckpt.load(p + "o_proj.weight", (H, nh * d))
+        self.q_norm = ckpt.load_f32(p + "q_norm.weight", (d,))
+        self.k_norm = ckpt.load_f32(p + "k_norm.weight", (d,))
+        half = cfg.rotary_dim // 2
+        self.inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / cfg.rotary_dim))).astype(
+            np.float32
+        )
+
+    def new_state(self) -> KVCache:
+        return KVCache(self.cfg.n_kv_heads, self.cfg.head_dim)
+
+    def forward(self, x: np.ndarray, start: int, cache: KVCache) -> np.ndarray:
+        """x: normed hidden states [T, H] at positions start..start+T-1."""
+        cfg = self.cfg
+        T = x.shape[0]
+        nh, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_all = linear(self.wq, x)
+        if self.gated:
+            q_all = q_all.reshape(T, nh, 2 * d)
+            q = np.ascontiguousarray(q_all[:, :, :d])
+            gate = np.ascontiguousarray(q_all[:, :, d:]).reshape(T, nh * d)
+        else:
+            q = q_all.reshape(T, nh, d)
+            gate = None
+        k = linear(self.wk, x).reshape(T, nkv, d)
+        v = linear(self.wv, x).reshape(T, nkv, d)
+        zc = cfg.zero_centred_norm
+        q = rmsnorm(q, self.q_norm, cfg.rms_eps, zc)
+        k = rmsnorm(k, self.k_norm, cfg.rms_eps, zc)
+        positions = np.arange(start, start + T, dtype=np.int64)
+        rope_inplace(q, positions, self.inv_freq, cfg.rotary_dim)
+        rope_inplace(k, positions, self.inv_freq, cfg.rotary_dim)
+        cache.ensure(start + T)
+        cache.k[:, start:start + T] = k.transpose(1, 0, 2)
+        cache.v[:, start:start + T] = v.transpose(1, 0, 2)
+        out = np.empty((T, nh, d), dtype=np.float32)
+        attention(q, cache.k, cache.v, start, out)
+        out = out.reshape(T, nh * d)
+        if gate is not None:
+            out = out * (1.0 / (1.0 + np.exp(-gate)))
+        return linear(self.wo, np.ascontiguousarray(out, dtype=np.float32))

@@ -1,0 +1,69 @@
+"""Gated DeltaNet, the linear-attention mixer of Qwen3.5/3.6 (30 of 40 layers).
+
+State per layer: the last K-1 inputs of the depthwise causal conv and a
+float32 recurrent matrix per value head. Decode and prefill share one kernel
+that walks the tokens in order (the recurrence is sequential anyway); the
+projections before and after it use matrix-matrix work for a prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierlab.engine.checkpoint import Checkpoint
+from tierlab.engine.config import ModelConfig
+from tierlab.engine.kernels.dense import gated_deltanet, linear
+
+
+@dataclass
+class DeltaNetState:
+    conv: np.ndarray  # [K-1, C]
+    recurrent: np.ndarray  # [v_heads, dk, dv]
+
+
+class GatedDeltaNet:
+    def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> None:
+        H = cfg.hidden_size
+        kh, vh, dk, dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
+        if not (kh and vh and dk and dv) or vh % kh:
+            from tierlab.engine.errors import ModelError
+
+            raise ModelError("config.json: linear attention heads/dims missing or value heads not a multiple of key heads",
+                             ckpt.dir / "config.json")
+        self.cfg = cfg
+        p = f"layers.{layer}.linear_attn."
+        C = 2 * kh * dk + vh * dv
+        self.channels = C
+        self.w_qkv = ckpt.load(p + "in_proj_qkv.weight", (C, H))
+        self.w_z = ckpt.load(p + "in_proj_z.weight", (vh * dv, H))
+        self.w_b = ckpt.load(p + "in_proj_b.weight", (vh, H))
+        self.w_a = ckpt.load(p + "in_proj_a.weight", (vh, H))
+        self.conv_w = np.ascontiguousarray(ckpt.load_f32(p + "conv1d.weight", (C, 1, cfg.conv_kernel)).reshape(C, cfg.conv_kernel))
+        self.a_log = ckpt.load_f32(p + "A_log", (vh,))
+        self.dt_bias = ckpt.load_f32(p + "dt_bias", (vh,))
+        self.norm_w = ckpt.load_f32(p + "norm.weight", (dv,))
+        self.w_out = ckpt.load(p + "out_proj.weight", (H, vh * dv))
+
+    def new_state(self) -> DeltaNetState:
+        cfg = self.cfg
+        return DeltaNetState(
+            conv=np.zeros((max(cfg.conv_kernel - 1, 0), self.channels), dtype=np.float32),
+            recurrent=np.zeros((cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), dtype=np.float32),
+        )
+
+    def forward(self, x: np.ndarray, start: int, state: DeltaNetState) -> np.ndarray:
+        cfg = self.cfg
+        T = x.shape[0]
+        mixed = linear(self.w_qkv, x)
+        z = linear(self.w_z, x)
+        b = linear(self.w_b, x)
+        a = linear(self.w_a, x)
+        out = np.empty((T, cfg.lin_v_heads * cfg.lin_v_dim), dtype=np.float32)
+        gated_deltanet(
+            np.ascontiguousarray(mixed), state.conv, self.conv_w, np.ascontiguousarray(z),
+            np.ascontiguousarray(b), np.ascontiguousarray(a), self.a_log, self.dt_bias, self.norm_w,
+            np.float32(cfg.rms_eps), state.recurrent, cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, out,
+        )
+        return linear(self.w_out, out)

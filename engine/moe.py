@@ -1,0 +1,185 @@
+"""The MoE block: route each token, fetch its experts through the tiers, compute.
+
+This is where the levers plug in without touching the math around them:
+- routing: the router's plain top-K, or, when the cache-aware lever or its
+  meters are on, `Router.select` with each expert's residency level;
+- residency: the GPU tier (level 2) and the RAM cache (level 1);
+- events: what was chosen, what hit, what it cost.
+Expert outputs are summed in rank order whichever tier computed them, so
+moving an expert between tiers never changes the result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierlab.engine.checkpoint import Checkpoint, to_f32
+from tierlab.engine.config import ModelConfig
+from tierlab.engine.events import LEVEL_GPU, LayerRoute
+from tierlab.engine.kernels.dense import axpy, linear, softmax_row, topk_desc
+
+
+class SwiGLU:
+    """A dense SwiGLU MLP (the shared expert, or a dense layer of Qwen3-MoE)."""
+
+    def __init__(self, ckpt: Checkpoint, prefix: str, hidden: int, inter: int) -> None:
+        self.gate = ckpt.load(prefix + "gate_proj.weight", (inter, hidden))
+        self.up = ckpt.load(prefix + "up_proj.weight", (inter, hidden))
+        self.down = ckpt.load(prefix + "down_proj.weight", (hidden, inter))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        g = linear(self.gate, x)
+        u = linear(self.up, x)
+        h = g / (1.0 + np.exp(-g)) * u
+        return linear(self.down, np.ascontiguousarray(h, dtype=np.float32))
+
+
+@dataclass
+class TokenRoute:
+    """Routing decisions for one token in one layer (before events are built)."""
+
+    chosen: np.ndarray
+    weights: np.ndarray
+    true_topk: np.ndarray
+    level: np.ndarray
+    swapped: np.ndarray
+    ram_hits: int = 0
+    ram_misses: int = 0
+    vram_served: int = 0
+
+    def as_event(self, layer: int) -> LayerRoute:
+        return LayerRoute(layer, self.chosen, self.weights, self.true_topk, self.level, self.swapped,
+                          self.ram_hits, self.ram_misses, self.vram_served)
+
+
+class MoEBlock:
+    def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> None:
+        p = f"layers.{layer}.mlp."
+        H = cfg.hidden_size
+        self.layer = layer
+        self.cfg = cfg
+        self.router_w = ckpt.load(p + "gate.weight", (cfg.n_experts, H))
+        self.shared = None
+        self.shared_gate = None
+        if cfg.shared_inter:
+            self.shared = SwiGLU(ckpt, p + "shared_expert.", H, cfg.shared_inter)
+            self.shared_gate = to_f32(ckpt.load(p + "shared_expert_gate.weight", (1, H)))
+
+    # -- routing ---------------------------------------------------------------
+    def route(self, logits: np.ndarray, ctx) -> TokenRoute:
+        cfg = self.cfg
+        K = cfg.top_k
+        probs = np.empty(cfg.n_experts, dtype=np.float32)
+        softmax_row(logits, probs)
+        knobs = ctx.knobs
+        if ctx.router is not None and (knobs.CACHE_ROUTE or knobs.meters_on):
+            level = ctx.residency(self.layer)
+            r = ctx.router.select(self.layer, logits, probs, level, knobs)
+            return TokenRoute(np.asarray(r.idx, dtype=np.int32), np.asarray(r.weights, dtype=np.float32),
+                              np.asarray(r.true_topk, dtype=np.int32), np.asarray(r.level, dtype=np.int8),
+                              np.asarray(r.swapped, dtype=np.bool_))
+        # the stock router: softmax, top-K, optionally renormalise
+        idx = np.empty(K, dtype=np.int64)
+        topk_desc(probs, K, idx)
+        w = probs[idx].astype(np.float32)
+        if cfg.norm_topk_prob:
+            w = (w / w.sum()).astype(np.float32)
+        chosen = idx.astype(np.int32)
+        level = ctx.residency(self.layer)[chosen] if ctx.wants_levels else np.zeros(K, dtype=np.int8)
+        return TokenRoute(chosen, w, chosen.copy(), level.astype(np.int8), np.zeros(K, dtype=np.bool_))
+
+    # -- compute ---------------------------------------------------------------
+    def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[TokenRoute]]:
+        """x: normed hidden states [T, H]; returns the block output and each token's route."""
+        T, H = x.shape
+        timers = ctx.timers
+        t0 = time.perf_counter()
+        logits_all = linear(self.router_w, x).reshape(T, -1)
+        timers["router"] += time.perf_counter() - t0
+        out = np.zeros((T, H), dtype=np.float32)
+        routes = []
+        for t in range(T):
+            t1 = time.perf_counter()
+            route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
+            timers["router"] += time.perf_counter() - t1
+            self._experts(x[t], route, out[t], ctx)
+            routes.append(route)
+            ctx.after_route(self.layer, route)
+        if self.shared is not None:
+            t2 = time.perf_counter()
+            shared = self.shared.forward(x)
+            gate = 1.0 / (1.0 + np.exp(-(x @ self.shared_gate[0])))
+            out += (gate[:, None] * shared).astype(np.float32)
+            timers["shared"] += time.perf_counter() - t2
+        return out, routes
+
+    def _experts(self, x: np.ndarray, route: TokenRoute, y: np.ndarray, ctx) -> None:
+        """y += sum over slots in rank order of weight * expert(x)."""
+        layer = self.layer
+        K = route.chosen.shape[0]
+        timers = ctx.timers
+        cache = ctx.cache
+        source = cache.source
+        outputs = np.zeros((K, x.shape[0]), dtype=np.float32)
+        on_gpu: list[int] = []
+        tier = ctx.tier
+        if tier is not None:
+            on_gpu = [s for s in range(K) if route.chosen[s] >= 0 and tier.is_resident(layer, int(route.chosen[s]))]
+        handle = None
+        if on_gpu:
+            handle = ctx.tier_enqueue(layer, [int(route.chosen[s]) for s in on_gpu], x)
+            if handle is None:
+                on_gpu = []
+        for s in range(K):
+            e = int(route.chosen[s])
+            if e < 0 or s in on_gpu:
+                continue
+            t0 = time.perf_counter()
+            blob, hit = cache.acquire(layer, e)
+            t1 = time.perf_counter()
+            try:
+                source.forward(blob, x, outputs[s], 1.0)
+            finally:
+                cache.release(layer, e)
+            timers["fetch"] += t1 - t0
+            timers["compute"] += time.perf_counter() - t1
+            if hit:
+                route.ram_hits += 1
+            else:
+                route.ram_misses += 1
+        if handle is not None:
+            t0 = time.perf_counter()
+            results = ctx.tier_collect(handle)
+            timers["tier"] += time.perf_counter() - t0
+            if results is None:  # the tier failed mid-token: compute these on the CPU
+                for s in on_gpu:
+                    e = int(route.chosen[s])
+                    blob, hit = cache.acquire(layer, e)
+                    try:
+                        source.forward(blob, x, outputs[s], 1.0)
+                    finally:
+                        cache.release(layer, e)
+                    route.ram_hits += int(hit)
+                    route.ram_misses += int(not hit)
+            else:
+                for i, s in enumerate(on_gpu):
+                    outputs[s] = results[i]
+                    route.level[s] = LEVEL_GPU
+                route.vram_served = len(on_gpu)
+        for s in range(K):
+            if route.chosen[s] >= 0:
+                axpy(y, np.float32(route.weights[s]), outputs[s])
+
+
+class DenseBlock:
+    """The MLP of a Qwen3-MoE layer listed in mlp_only_layers."""
+
+    def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> None:
+        self.mlp = SwiGLU(ckpt, f"layers.{layer}.mlp.", cfg.hidden_size, cfg.dense_inter)
+
+    def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list]:
+        return self.mlp.forward(x), []
+

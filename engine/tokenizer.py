@@ -1,0 +1,112 @@
+"""Text in and out: tokenizer.json through `tokenizers`, chat templates in a sandbox.
+
+A chat template is code shipped with an untrusted checkpoint, so it is
+rendered by jinja2's immutable sandbox; a template that reaches for Python
+internals raises TemplateError (one line) instead of running.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2 import TemplateError as JinjaTemplateError
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tierlab.engine.errors import ModelError, TemplateError
+
+
+def _raise_exception(message: str):
+    raise TemplateError(f"chat template raised: {message}")
+
+
+class ChatTemplate:
+    def __init__(self, source: str, origin: Path, special: dict[str, str]) -> None:
+        self.origin = origin
+        self.special = special
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        try:
+            self.template = env.from_string(source)
+        except JinjaTemplateError as exc:
+            raise TemplateError(f"chat template does not parse: {exc}", origin) from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special, **extra)
+        except SecurityError as exc:
+            raise TemplateError(f"chat template tried to leave the sandbox ({exc})", self.origin) from None
+        except TemplateError as exc:
+            raise TemplateError(str(exc), self.origin) from None
+        except (JinjaTemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            raise TemplateError(f"chat template failed: {exc}", self.origin) from None
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class Tokenizer:
+    def __init__(self, path: Path, config: dict, template: ChatTemplate | None) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises plain Exception subclasses
+            raise ModelError(f"cannot load tokenizer: {str(exc).splitlines()[0]}", path) from None
+        self.path = path
+        self.chat_template = template
+        eos = _token_text(config.get("eos_token"))
+        self.eos_ids = []
+        for text in filter(None, [eos, "<|im_end|>", "<|endoftext|>"]):
+            tid = self._tok.token_to_id(text)
+            if tid is not None and tid not in self.eos_ids:
+                self.eos_ids.append(tid)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "Tokenizer":
+        folder = Path(folder)
+        cfg_path = folder / "tokenizer_config.json"
+        config: dict = {}
+        if cfg_path.exists():
+            try:
+                config = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ModelError(f"cannot read: {exc}", cfg_path) from None
+            if not isinstance(config, dict):
+                raise ModelError("not a JSON object", cfg_path)
+        source, origin = None, cfg_path
+        raw = config.get("chat_template")
+        if isinstance(raw, str):
+            source = raw
+        elif isinstance(raw, list):  # named templates: take "default"
+            for entry in raw:
+                if isinstance(entry, dict) and entry.get("name") == "default":
+                    source = entry.get("template")
+        jinja_path = folder / "chat_template.jinja"
+        if source is None and jinja_path.exists():
+            source, origin = jinja_path.read_text(encoding="utf-8"), jinja_path
+        special = {k: _token_text(config.get(k)) or "" for k in ("bos_token", "eos_token", "pad_token")}
+        template = ChatTemplate(source, origin, special) if source else None
+        return cls(folder / "tokenizer.json", config, template)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise TemplateError("this model has no chat template (use raw completion)", self.path.parent)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
