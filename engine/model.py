@@ -74,6 +74,7 @@ class Engine:
         self.requests: list[list[np.ndarray]] = [[] for _ in range(cfg.n_layers)]
         self.timers: dict[str, float] = defaultdict(float)
         self.tokens_timed = 0
+        self.vram_served = 0
         self._listeners: list[Callable[[TokenEvent], None]] = []
         self._lock = threading.RLock()
         self.notices: list[str] = []
@@ -114,6 +115,7 @@ class Engine:
         self.requests = [[] for _ in range(self.config.n_layers)]
         self.timers = defaultdict(float)
         self.tokens_timed = 0
+        self.vram_served = 0
         if self.router is not None:
             self.router.reset_meters()
 
@@ -211,24 +213,34 @@ class Engine:
 
     # -- meters ----------------------------------------------------------------------
     def meters(self) -> dict:
-        """Current meter values (hit rates are shares in 0..1, times in ms per token)."""
+        """Current meter values: rates in percent, times in ms per token (all tokens so far)."""
         cache = self.cache
-        slots_total = sum(len(r) * self.config.top_k for r in self.requests)
-        vram = getattr(self, "vram_served", 0)
+        slots_total = sum(len(r) for r in self.requests) * self.config.top_k
         n = max(self.tokens_timed, 1)
         out = {
-            "ram_hit": cache.hit_rate(),
+            "ram_hit": 100.0 * cache.hit_rate(),
             "ram_hits": int(cache.hits.sum()),
             "ram_misses": int(cache.misses.sum()),
-            "vram_hit": vram / slots_total if slots_total else 0.0,
+            "vram_hit": 100.0 * self.vram_served / slots_total if slots_total else 0.0,
+            "vram_served": int(self.vram_served),
             "tok_s": self.tokens_timed / self.timers["total"] if self.timers["total"] else 0.0,
             "fetch_ms": 1000.0 * self.timers["fetch"] / n,
             "compute_ms": 1000.0 * self.timers["compute"] / n,
         }
         if self.router is not None:
-            m = self.router.meters
-            out.update(swap=m.swap_pct, swaps_to_vram=int(m.swaps_vram), route_agree=m.route_agree, route_kl=m.route_kl)
+            from tierlab.engine.routing import meters_json
+
+            out.update(meters_json(self.router.meters))
         return out
+
+    def oracle_hit(self) -> float:
+        """Hit rate (percent) an optimal Belady cache of the same size reaches on the requests so far."""
+        from tierlab.engine.belady import belady_hit_rate
+
+        layers = [np.stack(r) for r in self.requests if r and len({len(x) for x in r}) == 1]
+        if not layers:
+            return 0.0
+        return 100.0 * belady_hit_rate(layers, self.cache.slots)
 
     def close(self) -> None:
         self.cache.source.close()
@@ -256,8 +268,7 @@ class _PassContext:
         chosen = route.chosen[route.chosen >= 0]
         engine.heat[layer, chosen] += 1
         engine.requests[layer].append(chosen.astype(np.int16))
-        if route.vram_served:
-            engine.vram_served = getattr(engine, "vram_served", 0) + route.vram_served
+        engine.vram_served += route.vram_served
 
     def tier_enqueue(self, layer: int, experts: list[int], x: np.ndarray):
         return self.engine.tier_enqueue(layer, experts, x) if hasattr(self.engine, "tier_enqueue") else None

@@ -1,0 +1,29 @@
+"""`tierlab eval`: replay a reference; exit 0 only when every token matches."""
+
+from __future__ import annotations
+
+import json
+
+from tierlab.app.engine_args import add_model_args, open_engine, print_notices
+from tierlab.engine.evaluate import format_report, read_ref, run_eval
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="greedy-decode a reference and report matches, TF-NLL and meters")
+    add_model_args(p)
+    p.add_argument("--ref", required=True, help="reference file (ref.json)")
+    p.add_argument("--ppl", action="store_true", help="also teacher-force the reference for TF-NLL")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    prompt, full = read_ref(args.ref)
+    engine = open_engine(args, with_tokenizer=False)
+    result = run_eval(engine, prompt, full, ppl=args.ppl)
+    print_notices(engine)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("\n".join(format_report(engine, result)))
+    return 0 if result["matching"] == result["total"] else 1

@@ -1,0 +1,58 @@
+"""`tierlab generate`: stream a completion (or a chat reply) to stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tierlab.app.engine_args import add_model_args, open_engine, print_notices
+from tierlab.engine.errors import ModelError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a prompt, streaming to stdout")
+    add_model_args(p)
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and meters")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    engine = open_engine(args)
+    tok = engine.tokenizer
+    if tok is None:
+        raise ModelError("no tokenizer.json: generate needs a tokenizer (use `tierlab ref --prompt-ids`)", args.model)
+    text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt_ids = tok.encode(text)
+    if not prompt_ids:
+        raise ModelError("the prompt encodes to no tokens")
+    out_ids: list[int] = []
+    printed = ""
+    eos = set(engine.eos_ids())
+    for token in engine.generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, args.seed):
+        if token in eos:
+            break
+        out_ids.append(token)
+        text_so_far = tok.decode(out_ids)
+        if not args.json and not text_so_far.endswith("\ufffd"):
+            sys.stdout.write(text_so_far[len(printed):])
+            sys.stdout.flush()
+            printed = text_so_far
+    print_notices(engine)
+    meters = engine.meters()
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "ids": out_ids, "text": tok.decode(out_ids), **meters}))
+    else:
+        sys.stdout.write(tok.decode(out_ids)[len(printed):] + "\n")
+        from tierlab.engine.routing import format_footer
+
+        footer = [f"Expert cache hit rate: {meters['ram_hit']:.1f}% (hit={meters['ram_hits']} miss={meters['ram_misses']})",
+                  *format_footer(engine.knobs.snapshot(), engine.router.meters),
+                  f"{meters['tok_s']:.1f} tok/s"]
+        print("\n".join(footer), file=sys.stderr)
+    return 0

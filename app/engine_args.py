@@ -1,0 +1,48 @@
+"""Command-line flags shared by every command that runs the engine.
+
+Each lever is a flag named after its environment variable (ROUTE_J ->
+--route-j); a flag wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import tierlab
+from tierlab.engine.knobs import SPECS, Knobs
+
+DEFAULT_MODEL = tierlab.ASSETS_DIR / "tiny-moe"
+
+
+def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
+    parser.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
+                        help=f"model folder or tierlab container (default: the shipped {DEFAULT_MODEL.name})")
+    if cache:
+        parser.add_argument("--cache", type=int, metavar="N", default=None,
+                            help="RAM expert cache slots per layer (default: all experts)")
+    group = parser.add_argument_group("levers (flags override the environment variables of the same name)")
+    for spec in SPECS:
+        flag = "--" + spec.name.lower().replace("_", "-")
+        group.add_argument(flag, dest=f"knob_{spec.name}", metavar=spec.name, default=None,
+                           help=f"{spec.help} (default {spec.default})")
+
+
+def knobs_from_args(args: argparse.Namespace) -> Knobs:
+    return Knobs.from_env(**{spec.name: getattr(args, f"knob_{spec.name}", None) for spec in SPECS})
+
+
+def open_engine(args: argparse.Namespace, with_tokenizer: bool = True):
+    """Load the engine the flags describe; ModelError/KnobError reach the CLI as one line."""
+    from tierlab.engine.model import load_engine
+
+    knobs = knobs_from_args(args)
+    engine = load_engine(args.model, cache_slots=getattr(args, "cache", None), knobs=knobs,
+                         with_tokenizer=with_tokenizer)
+    return engine
+
+
+def print_notices(engine) -> None:
+    for line in engine.notices:
+        print(f"tierlab: {line}", file=sys.stderr)
+    engine.notices.clear()
