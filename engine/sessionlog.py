@@ -1,0 +1,266 @@
+"""Session logs (``--log FILE``): what a run did, token by token, as JSON lines.
+
+A run writes one header record, then one record per token, a record for
+every knob change and, if it ends cleanly, a summary. Each record is one
+line, flushed as soon as it is written, so a crash loses at most the token
+being written; the reader keeps everything before the damage and says so
+once. JSON only: reading a log never runs code from it.
+
+Record shapes (``type`` tells them apart; docs/formats.md "Session log"):
+
+- header: format, version, model, knobs, cache, machine
+- token: index, phase, token, knob_seq, timings_ms, layers[] (layer,
+  chosen, true_topk, level, swapped, weights, true_weights, ram_hits,
+  ram_misses, vram_served)
+- knob: seq, name, old, new, at_token
+- summary: free-form meters (e.g. route meters, ids_match, tf_nll)
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import math
+import platform
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from tierlab.engine.errors import FormatError
+from tierlab.engine.events import LayerRoute, TokenEvent
+
+FORMAT_NAME = "tierlab-session-log"
+FORMAT_VERSION = 1
+# A header line longer than this means the file is something else.
+MAX_HEADER_BYTES = 1 << 20
+
+
+class SessionLogWarning(UserWarning):
+    """A log was damaged (truncated or corrupt); the records before it were read."""
+
+
+def _jsonable(value: Any) -> Any:
+    """json.dumps fallback for numpy scalars and arrays, dataclass-like objects and paths."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    raise TypeError(f"cannot write {type(value).__name__} to a session log")
+
+
+def _finite(value: Any) -> Any:
+    """Strict JSON has no NaN or infinity: they are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _weights(values) -> list[float]:
+    return [float(f"{float(v):.6g}") for v in np.asarray(values).ravel()]
+
+
+def _layer_record(route: LayerRoute) -> dict[str, Any]:
+    record = {
+        "layer": int(route.layer),
+        "chosen": np.asarray(route.chosen).astype(int).tolist(),
+        "true_topk": np.asarray(route.true_topk).astype(int).tolist(),
+        "level": np.asarray(route.level).astype(int).tolist(),
+        "swapped": [int(bool(s)) for s in np.asarray(route.swapped).ravel()],
+        "weights": _weights(route.weights),
+        "ram_hits": int(route.ram_hits),
+        "ram_misses": int(route.ram_misses),
+        "vram_served": int(route.vram_served),
+    }
+    true_weights = getattr(route, "true_weights", None)  # lets the log's KL be recomputed
+    if true_weights is not None:
+        record["true_weights"] = _weights(true_weights)
+    return record
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class SessionLogWriter:
+    """Appends records to a new session log; safe to call from several threads."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        model: Mapping[str, Any],
+        knobs: Any,
+        cache: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``model``: path, arch and dims; ``knobs``: a KnobValues or dict;
+        ``cache``: e.g. ``{"ram_slots": 64, "gpu_tier": True}`` (ram_slots feeds the Belady oracle)."""
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        try:
+            self._file = open(self.path, "w", encoding="utf-8")
+        except OSError as exc:
+            raise FormatError(f"cannot write session log: {exc.strerror}", self.path) from None
+        knob_dict = knobs.as_dict() if hasattr(knobs, "as_dict") else dict(knobs)
+        self._write(
+            {
+                "type": "header",
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "model": dict(model),
+                "knobs": knob_dict,
+                "cache": dict(cache or {}),
+                "machine": machine_info(),
+            }
+        )
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        try:
+            line = json.dumps(record, default=_jsonable, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # a NaN somewhere: rare, so only then the slower pass
+            plain = json.loads(json.dumps(record, default=_jsonable))
+            line = json.dumps(_finite(plain), separators=(",", ":"), allow_nan=False)
+        with self._lock:
+            if self._file.closed:
+                return
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def write_token(self, event: TokenEvent) -> None:
+        self._write(
+            {
+                "type": "token",
+                "index": int(event.index),
+                "phase": event.phase,
+                "token": int(event.token_id),
+                "knob_seq": int(event.knob_seq),
+                "timings_ms": {k: round(float(v), 4) for k, v in event.timings_ms.items()},
+                "layers": [_layer_record(route) for route in event.layers],
+            }
+        )
+
+    def write_knob_change(self, change: Any, token_index: int) -> None:
+        """``change`` is a knobs.KnobChange; ``token_index`` the first token it applies to."""
+        self._write(
+            {
+                "type": "knob",
+                "seq": int(change.seq),
+                "name": change.name,
+                "old": change.old,
+                "new": change.new,
+                "at_token": int(token_index),
+            }
+        )
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        self._write({"type": "summary", **summary})
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> "SessionLogWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class SessionLog:
+    """A log as read back; ``damage`` says why reading stopped early (None if it did not)."""
+
+    path: str
+    header: dict[str, Any]
+    tokens: list[dict[str, Any]] = field(default_factory=list)
+    knob_changes: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+    damage: str | None = None
+
+
+_REQUIRED = {"token": ("index", "layers"), "knob": ("name", "at_token"), "summary": ()}
+
+
+def _parse_line(raw: bytes) -> dict[str, Any] | None:
+    """One record, or None when the line is not a well-formed record."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+        return None
+    required = _REQUIRED.get(record["type"], ())
+    if any(key not in record for key in required):
+        return None
+    if record["type"] == "token" and not isinstance(record["layers"], list):
+        return None
+    return record
+
+
+def _read_header(path: Path, first: bytes) -> dict[str, Any]:
+    if not first:
+        raise FormatError("empty file, not a tierlab session log", path)
+    header = _parse_line(first) if first.endswith(b"\n") or len(first) < MAX_HEADER_BYTES else None
+    if header is None or header.get("type") != "header" or header.get("format") != FORMAT_NAME:
+        raise FormatError("not a tierlab session log", path)
+    version = header.get("version")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"session log version {version!r}; this tierlab reads version {FORMAT_VERSION}", path)
+    return header
+
+
+def read_session_log(path: str | os.PathLike) -> SessionLog:
+    """Read a log up to its first damaged line (one SessionLogWarning if there is one).
+
+    Raises FormatError (one line, names the file) for a file that is missing,
+    not a session log, or of another format version.
+    """
+    path = Path(path)
+    try:
+        handle = open(path, "rb")
+    except OSError as exc:
+        raise FormatError(f"cannot read session log: {exc.strerror}", path) from None
+    with handle:
+        header = _read_header(path, handle.readline(MAX_HEADER_BYTES))
+        log = SessionLog(str(path), header)
+        for line_no, raw in enumerate(handle, start=2):
+            if not raw.strip():
+                continue
+            record = _parse_line(raw)
+            if record is None:
+                what = "truncated" if not raw.endswith(b"\n") else "damaged"
+                log.damage = f"line {line_no} is {what}"
+                break
+            kind = record["type"]
+            if kind == "token":
+                log.tokens.append(record)
+            elif kind == "knob":
+                log.knob_changes.append(record)
+            elif kind == "summary":
+                log.summary = record
+            # other types: written by a newer minor revision; skipped
+    if log.damage:
+        warnings.warn(
+            f"{path}: {log.damage}; read the {len(log.tokens)} tokens before it",
+            SessionLogWarning,
+            stacklevel=2,
+        )
+    return log
