@@ -220,7 +220,10 @@ def summarise_log(path: str | Path) -> dict[str, Any]:
             else:
                 kls.append(kl)
 
-    summary = log.summary or {}
+    # the summary may hold figures at top level or, as the app writes it, under "meters"
+    summary = dict(log.summary or {})
+    if isinstance(summary.get("meters"), dict):
+        summary = {**summary["meters"], **summary}
     routed = _routing_measured(log)
     kl_value = float(np.mean(kls)) if kl_complete and kls else summary.get("route_kl")
     gpu_tier = bool(log.header.get("cache", {}).get("gpu_tier")) or vram > 0
@@ -236,7 +239,7 @@ def summarise_log(path: str | Path) -> dict[str, Any]:
         "swaps_to_vram": swaps_vram if routed else None,
         "agree": agree_hit / agree_tot if routed and agree_tot else None,
         "kl": kl_value if routed else None,
-        "ids_match": _ids_match(log.summary),
+        "ids_match": _ids_match(summary),
         "tf_nll": summary.get("tf_nll"),
         "damaged": log.damage,
     }

@@ -207,6 +207,14 @@ def test_summarise_log_without_true_weights_takes_kl_from_the_summary(tmp_path):
     assert summarise_log(path)["kl"] == pytest.approx(router.meters.route_kl)
 
 
+def test_summary_figures_may_sit_under_meters(tmp_path):
+    path = tmp_path / "app.jsonl"
+    with SessionLogWriter(path, model=MODEL, knobs=OFF) as writer:
+        writer.write_summary({"meters": {"tf_nll": 0.2, "ids_match": "3/4"}, "tokens": 0})
+    row = summarise_log(path)
+    assert (row["tf_nll"], row["ids_match"], row["ram_hit"], row["tok_s"]) == (0.2, "3/4", None, None)
+
+
 def test_lever_off_rows_show_no_routing_figures(tmp_path):
     path = tmp_path / "off.jsonl"
     simulate_run(path, OFF)
