@@ -1,0 +1,54 @@
+"""`tierlab bench kernels`: how fast the matvec kernels run next to the memory roofline.
+
+Each benchmark is a sub-subcommand registered in BENCHES, so `bench decode`
+(the engine end to end) can be added later as one more entry without touching
+the kernel benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_kernels(sub) -> None:
+    p = sub.add_parser("kernels", help="memory bandwidth and fp32/bf16/int8/int4 matvec throughput")
+    p.add_argument("--quick", action="store_true", help="a few seconds (CI); fewer, shorter timings")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
+    p.set_defaults(bench_run=_run_kernels)
+
+
+def _run_kernels(args: argparse.Namespace) -> int:
+    from tierlab.engine.bench_kernels import format_report, run_kernel_bench
+
+    def progress(what: str) -> None:
+        if not args.json:
+            print(f"  measuring {what} ...", file=sys.stderr, flush=True)
+
+    report = run_kernel_bench(quick=args.quick, threads=args.threads, progress=progress)
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_report(report))
+    return 0
+
+
+# name -> function(subparsers) that adds the benchmark's parser and sets bench_run
+BENCHES = {"kernels": _add_kernels}
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks (kernels)", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH")
+    for add in BENCHES.values():
+        add(sub)
+    parser.set_defaults(run=run, _bench_parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_run", None) is None:
+        args._bench_parser.print_help()
+        return 2
+    return int(args.bench_run(args) or 0)

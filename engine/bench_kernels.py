@@ -1,0 +1,199 @@
+"""Kernel benchmark: memory bandwidth and matvec / fused-expert throughput.
+
+Why: the quantised kernels only pay if they run near the memory roofline, so
+the benchmark reports each kernel's weights per second next to the stream
+bandwidth measured in the same run (bytes per weight include the scales).
+The machine is shared, so every figure is the median of many timed calls
+(the best call is reported too); operands rotate through a working set larger
+than one expert so that the numbers are not all L1/L2 hits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from numba import njit, prange
+
+from tierlab.engine.kernels import qmatvec as K
+from tierlab.engine.quant import GROUP
+
+SHAPES = ((512, 2048), (2048, 512))
+KINDS = ("fp32", "bf16", "int8", "int4")
+BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / GROUP, "int4": 0.5 + 4.0 / GROUP}
+
+
+@njit(nogil=True, cache=True, fastmath=True, parallel=True)
+def _stream_sum(a):
+    total = np.float32(0.0)
+    for i in prange(a.shape[0]):
+        total += a[i]
+    return total
+
+
+@dataclass
+class Timing:
+    median_s: float
+    best_s: float
+
+
+@dataclass
+class KernelReport:
+    threads: int
+    bandwidth_gbs: float
+    bandwidth_numpy_gbs: float
+    working_set_mb: float
+    matvec: dict[str, float] = field(default_factory=dict)  # median Gweights/s over SHAPES
+    matvec_best: dict[str, float] = field(default_factory=dict)
+    matvec_by_shape: dict[str, dict[str, float]] = field(default_factory=dict)
+    fused_expert: dict[str, float] = field(default_factory=dict)  # Gweights/s of gate+up+down
+    roofline_share: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "threads": self.threads,
+            "bandwidth_gbs": self.bandwidth_gbs,
+            "bandwidth_numpy_gbs": self.bandwidth_numpy_gbs,
+            "working_set_mb": self.working_set_mb,
+            "matvec": self.matvec,
+            "matvec_best": self.matvec_best,
+            "matvec_by_shape": self.matvec_by_shape,
+            "fused_expert": self.fused_expert,
+            "roofline_share": self.roofline_share,
+            "bytes_per_weight": BYTES_PER_WEIGHT,
+        }
+
+
+def _time_calls(call, n_calls: int, min_seconds: float) -> Timing:
+    """Median and best of single timed calls (after one warm-up call)."""
+    call(0)
+    times = []
+    start = time.perf_counter()
+    i = 0
+    while i < n_calls or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        call(i)
+        times.append(time.perf_counter() - t0)
+        i += 1
+        if i >= 50 * n_calls:
+            break
+    return Timing(float(np.median(times)), float(min(times)))
+
+
+def measure_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
+    """(numba 2-thread read GB/s, numpy 1-thread read GB/s), median over repeats."""
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    numba_t = _time_calls(lambda i: _stream_sum(a), repeats, 0.0).median_s
+    numpy_t = _time_calls(lambda i: a.sum(), max(2, repeats // 2), 0.0).median_s
+    return a.nbytes / numba_t / 1e9, a.nbytes / numpy_t / 1e9
+
+
+def _random_operands(kind: str, rows: int, cols: int, copies: int, rng: np.random.Generator) -> list[tuple]:
+    """`copies` independent weight sets of one kind (contents do not affect speed)."""
+    ops = []
+    for _ in range(copies):
+        if kind == "fp32":
+            ops.append((rng.standard_normal((rows, cols), dtype=np.float32),))
+        elif kind == "bf16":
+            bits = rng.integers(0x3C00, 0x3F80, size=(rows, cols), dtype=np.uint16)
+            ops.append((bits,))
+        else:
+            scales = rng.random((rows, cols // GROUP), dtype=np.float32)
+            if kind == "int8":
+                q = rng.integers(-127, 128, size=(rows, cols), dtype=np.int8)
+            else:
+                q = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8)
+            ops.append((q, scales))
+    return ops
+
+
+_MATVEC = {"fp32": K.matvec_fp32, "bf16": K.matvec_bf16, "int8": K.matvec_int8, "int4": K.matvec_int4}
+
+
+def _copies_for(nbytes_one: int, working_set: int) -> int:
+    return int(max(1, min(64, working_set // max(1, nbytes_one))))
+
+
+def _fused_blob(kind: str, hidden: int, inter: int, rng: np.random.Generator) -> np.ndarray:
+    from tierlab.engine.container import blob_nbytes_for
+
+    n = blob_nbytes_for(kind, hidden, inter)
+    blob = rng.integers(0, 256, size=n, dtype=np.uint8)
+    if kind in ("int8", "int4"):
+        # sane scales so the SiLU sees finite numbers
+        scale_start = 3 * hidden * inter * (8 if kind == "int8" else 4) // 8
+        blob[scale_start:].view(np.float32)[:] = 1e-3
+    elif kind == "bf16":
+        blob.view(np.uint16)[:] = 0x3C00
+    else:
+        blob.view(np.float32)[:] = 1e-3
+    return blob
+
+
+def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=None) -> KernelReport:
+    """Measure bandwidth, matvec and fused-expert throughput. quick: a few seconds in total."""
+    import numba
+
+    if threads:
+        numba.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    working_set = (16 if quick else 192) << 20
+    calls, min_s = (15, 0.05) if quick else (200, 0.5)
+    bw_bytes = (64 if quick else 512) << 20
+    bw, bw_np = measure_bandwidth(bw_bytes, 5 if quick else 15)
+    report = KernelReport(numba.get_num_threads(), round(bw, 2), round(bw_np, 2), working_set / 2**20)
+
+    for kind in KINDS:
+        if progress:
+            progress(f"matvec {kind}")
+        rates, bests = [], []
+        report.matvec_by_shape[kind] = {}
+        for rows, cols in SHAPES:
+            nbytes_one = int(rows * cols * BYTES_PER_WEIGHT[kind])
+            ops = _random_operands(kind, rows, cols, _copies_for(nbytes_one, working_set), rng)
+            x = rng.standard_normal(cols, dtype=np.float32)
+            out = np.empty(rows, dtype=np.float32)
+            fn = _MATVEC[kind]
+            timing = _time_calls(lambda i: fn(*ops[i % len(ops)], x, out), calls, min_s)
+            rate = rows * cols / timing.median_s / 1e9
+            rates.append(rate)
+            bests.append(rows * cols / timing.best_s / 1e9)
+            report.matvec_by_shape[kind][f"{rows}x{cols}"] = round(rate, 2)
+        report.matvec[kind] = round(float(np.median(rates)), 2)
+        report.matvec_best[kind] = round(float(np.median(bests)), 2)
+        report.roofline_share[kind] = round(report.matvec[kind] * BYTES_PER_WEIGHT[kind] / bw, 3)
+
+    hidden, inter = 2048, 512
+    for kind in KINDS:
+        if progress:
+            progress(f"fused expert {kind}")
+        blob_bytes = int(3 * hidden * inter * BYTES_PER_WEIGHT[kind])
+        blobs = [_fused_blob(kind, hidden, inter, rng) for _ in range(_copies_for(blob_bytes, working_set))]
+        x = rng.standard_normal(hidden, dtype=np.float32) * np.float32(0.1)
+        y = np.zeros(hidden, dtype=np.float32)
+        fn = K.EXPERT_FORWARD[kind]
+        timing = _time_calls(lambda i: fn(blobs[i % len(blobs)], hidden, inter, x, y, 0.5), calls // 2 + 1, min_s)
+        report.fused_expert[kind] = round(3 * hidden * inter / timing.median_s / 1e9, 2)
+    return report
+
+
+def format_report(report: KernelReport) -> str:
+    """Plain-text table of a KernelReport."""
+    lines = [
+        f"threads {report.threads} | stream read {report.bandwidth_gbs:.1f} GB/s (numba), "
+        f"{report.bandwidth_numpy_gbs:.1f} GB/s (numpy, 1 thread) | working set {report.working_set_mb:.0f} MiB",
+        f"{'kind':<6}{'B/weight':>10}{'512x2048':>10}{'2048x512':>10}{'median':>9}{'best':>8}{'roofline':>10}{'fused':>8}",
+    ]
+    for kind in KINDS:
+        by = report.matvec_by_shape.get(kind, {})
+        lines.append(
+            f"{kind:<6}{BYTES_PER_WEIGHT[kind]:>10.4f}{by.get('512x2048', 0):>10.2f}{by.get('2048x512', 0):>10.2f}"
+            f"{report.matvec.get(kind, 0):>9.2f}{report.matvec_best.get(kind, 0):>8.2f}"
+            f"{100 * report.roofline_share.get(kind, 0):>9.0f}%{report.fused_expert.get(kind, 0):>8.2f}"
+        )
+    lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / stream GB/s")
+    if os.environ.get("OMP_WAIT_POLICY"):
+        lines.append(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""Reference (numpy) group quantisation for the tierlab expert container.
+
+Why: the numba kernels and the OpenCL tier must agree byte for byte with one
+readable definition of the format. These helpers are that definition; they are
+written for clarity and exactness (float64 where it matters), not for speed.
+
+Format summary (see docs/formats.md, "Quantised expert container"):
+- symmetric per group of ``GROUP`` (64) consecutive columns of a row;
+- int8: scale = absmax/127, q = round(w/scale) in [-127, 127], one signed byte;
+- int4: scale = absmax/7, q = round(w/scale) in [-8, 7], stored "planar": per
+  group 32 bytes, byte j = (q[j]+8) | ((q[j+32]+8) << 4);
+- a zero group has scale 0 and q 0; dequantised weight = q * scale.
+- one expert blob = [q(gate) | q(up) | q(down) | scales(gate) | scales(up) |
+  scales(down)], scales float32 little-endian, rows x (cols/64) row-major.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP = 64
+BLOB_ALIGN = 4096
+QMAX = {8: 127, 4: 7}
+QMIN = {8: -127, 4: -8}
+
+
+def check_dims(hidden: int, inter: int, group: int = GROUP) -> None:
+    """Refuse shapes the kernels cannot group (one-line ValueError)."""
+    if group != GROUP:
+        raise ValueError(f"only group size {GROUP} is supported, got {group}")
+    if hidden % group or inter % group or hidden <= 0 or inter <= 0:
+        raise ValueError(
+            f"hidden ({hidden}) and moe_intermediate_size ({inter}) must be positive multiples of {group}"
+        )
+
+
+def quantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Quantise a [rows, cols] matrix; returns (q int8 [rows, cols], scales float32 [rows, cols/64]).
+
+    The scale is rounded to float32 first and q is computed against that
+    float32 scale, so dequantising with the stored scale is what we quantised to.
+    """
+    if bits not in QMAX:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    w = np.asarray(w, dtype=np.float64)
+    rows, cols = w.shape
+    if cols % GROUP:
+        raise ValueError(f"columns ({cols}) must be a multiple of {GROUP}")
+    g = w.reshape(rows, cols // GROUP, GROUP)
+    absmax = np.abs(g).max(axis=2)
+    scales = (absmax / QMAX[bits]).astype(np.float32)
+    s64 = scales.astype(np.float64)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s64 > 0, np.rint(g / np.where(s64 > 0, s64, 1.0)), 0.0)
+    q = np.clip(q, QMIN[bits], QMAX[bits]).astype(np.int8).reshape(rows, cols)
+    return q, scales
+
+
+def dequantize(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Exact float64 weights q * scale of a [rows, cols] matrix."""
+    rows, cols = q.shape
+    g = q.astype(np.float64).reshape(rows, cols // GROUP, GROUP)
+    return (g * scales.astype(np.float64)[:, :, None]).reshape(rows, cols)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Planar nibbles: [rows, cols] int8 in [-8, 7] -> uint8 [rows, cols/2]."""
+    rows, cols = q.shape
+    u = (q.astype(np.int16) + 8).astype(np.uint8).reshape(rows, cols // GROUP, GROUP)
+    lo, hi = u[:, :, : GROUP // 2], u[:, :, GROUP // 2 :]
+    return (lo | (hi << 4)).reshape(rows, cols // 2)
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """Inverse of pack_int4: uint8 [rows, cols/2] -> int8 [rows, cols]."""
+    rows, half = packed.shape
+    b = packed.reshape(rows, half * 2 // GROUP, GROUP // 2)
+    lo = (b & 0x0F).astype(np.int8) - 8
+    hi = (b >> 4).astype(np.int8) - 8
+    return np.concatenate([lo, hi], axis=2).reshape(rows, half * 2)
+
+
+def pack_weights(q: np.ndarray, bits: int) -> np.ndarray:
+    """Section-1 bytes of one matrix."""
+    if bits == 4:
+        return pack_int4(q)
+    return q.astype(np.int8).view(np.uint8)
+
+
+def unpack_weights(raw: np.ndarray, rows: int, cols: int, bits: int) -> np.ndarray:
+    if bits == 4:
+        return unpack_int4(raw.reshape(rows, cols // 2))
+    return raw.view(np.int8).reshape(rows, cols)
+
+
+@dataclass(frozen=True)
+class BlobLayout:
+    """Byte offsets of one expert blob; shared by the container, kernels and docs."""
+
+    bits: int
+    hidden: int
+    inter: int
+
+    @property
+    def matrix_elems(self) -> int:
+        return self.hidden * self.inter
+
+    @property
+    def qbytes(self) -> int:
+        """Bytes of one matrix's quantised weights."""
+        return self.matrix_elems * self.bits // 8
+
+    @property
+    def sbytes(self) -> int:
+        """Bytes of one matrix's float32 scales."""
+        return self.matrix_elems // GROUP * 4
+
+    @property
+    def nbytes(self) -> int:
+        return 3 * (self.qbytes + self.sbytes)
+
+    @property
+    def stride(self) -> int:
+        """Distance between consecutive blobs in experts.bin (4096-aligned)."""
+        return -(-self.nbytes // BLOB_ALIGN) * BLOB_ALIGN
+
+    def q_offset(self, m: int) -> int:
+        """Start of matrix m's weights (0 gate, 1 up, 2 down)."""
+        return m * self.qbytes
+
+    def s_offset(self, m: int) -> int:
+        """Start of matrix m's scales."""
+        return 3 * self.qbytes + m * self.sbytes
+
+    def shape(self, m: int) -> tuple[int, int]:
+        return (self.inter, self.hidden) if m < 2 else (self.hidden, self.inter)
+
+
+def build_blob(gate: np.ndarray, up: np.ndarray, down: np.ndarray, bits: int) -> np.ndarray:
+    """Quantise one expert (gate [I,H], up [I,H], down [H,I]) into its uint8 blob."""
+    inter, hidden = gate.shape
+    check_dims(hidden, inter)
+    if up.shape != (inter, hidden) or down.shape != (hidden, inter):
+        raise ValueError(f"expert shapes {gate.shape}, {up.shape}, {down.shape} do not fit [I,H],[I,H],[H,I]")
+    layout = BlobLayout(bits, hidden, inter)
+    blob = np.empty(layout.nbytes, dtype=np.uint8)
+    for m, w in enumerate((gate, up, down)):
+        q, s = quantize(w, bits)
+        blob[layout.q_offset(m) : layout.q_offset(m) + layout.qbytes] = pack_weights(q, bits).reshape(-1)
+        blob[layout.s_offset(m) : layout.s_offset(m) + layout.sbytes] = s.astype("<f4").reshape(-1).view(np.uint8)
+    return blob
+
+
+def blob_matrices(blob: np.ndarray, bits: int, hidden: int, inter: int) -> list[np.ndarray]:
+    """Float64 dequantised [gate, up, down] of a blob (the test oracle)."""
+    layout = BlobLayout(bits, hidden, inter)
+    out = []
+    for m in range(3):
+        rows, cols = layout.shape(m)
+        raw = blob[layout.q_offset(m) : layout.q_offset(m) + layout.qbytes]
+        q = unpack_weights(raw, rows, cols, bits)
+        s = blob[layout.s_offset(m) : layout.s_offset(m) + layout.sbytes].view("<f4").reshape(rows, cols // GROUP)
+        out.append(dequantize(q, s))
+    return out
+
+
+def silu(v: np.ndarray) -> np.ndarray:
+    return v / (1.0 + np.exp(-v))
+
+
+def expert_reference(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 SwiGLU expert: down(silu(gate x) * (up x))."""
+    x = np.asarray(x, dtype=np.float64)
+    g = np.asarray(gate, dtype=np.float64) @ x
+    u = np.asarray(up, dtype=np.float64) @ x
+    return np.asarray(down, dtype=np.float64) @ (silu(g) * u)
