@@ -232,6 +232,7 @@ class Checkpoint:
     """Tensor names of a safetensors checkpoint (single file or sharded) and lazy reads."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 so safetensors' numpy reader can return it)
         from safetensors import safe_open
 
         self.dir = Path(model_dir)

@@ -1,0 +1,145 @@
+"""`tierlab make-synthetic`: a random-weight checkpoint with real per-layer shapes.
+
+Why: the real checkpoints are 60-70 GB. A checkpoint with the exact per-layer
+shapes of Qwen3.6-35B-A3B or Qwen3-30B-A3B, but few layers and experts and a
+small vocabulary, exercises the converter, the kernels and the expert cache
+at true expert sizes in seconds. It is built with transformers' own classes
+and `save_pretrained`, so transformers loads it back (tensor names and config
+are the real ones). A minimal byte-level tokenizer.json and a ChatML template
+are written so the engine's text path works too (the text is meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tierlab.engine.errors import ModelError
+
+ARCHS = ("qwen3_5_moe", "qwen3_moe")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "make-synthetic",
+        help="write a random-weight MoE checkpoint with real per-layer shapes",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--arch", choices=ARCHS, required=True, help="qwen3_5_moe (Qwen3.6-35B-A3B) or qwen3_moe (Qwen3-30B-A3B)")
+    p.add_argument("--layers", type=int, required=True, help="number of decoder layers")
+    p.add_argument("--experts", type=int, required=True, help="experts per layer (at least top-k)")
+    p.add_argument("--top-k", type=int, default=8, help="experts per token (default 8, as the real models)")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    p.set_defaults(run=run)
+
+
+def synthetic_config(arch: str, layers: int, experts: int, top_k: int, vocab: int):
+    """A transformers config with the real model's per-layer sizes."""
+    special = {"bos_token_id": None, "eos_token_id": 258, "pad_token_id": 256}
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(
+            vocab_size=vocab, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+            moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=experts,
+            num_experts_per_tok=top_k, full_attention_interval=4, rms_norm_eps=1e-6,
+            max_position_embeddings=262144, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+            **special,
+        )
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        **special,
+    )
+
+
+def build_checkpoint(arch: str, layers: int, experts: int, top_k: int, vocab: int, seed: int, out: Path) -> Path:
+    """Instantiate the model in bf16 (half the memory of fp32) and save_pretrained it."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM
+
+    config = synthetic_config(arch, layers, experts, top_k, vocab)
+    cls = Qwen3_5MoeForCausalLM if arch == "qwen3_5_moe" else Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = cls(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "mlp.gate.weight" in name:  # a router with preferences, not uniform noise
+                p.normal_(0.0, 0.5)
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    return out
+
+
+def write_tokenizer(out: Path, vocab: int) -> None:
+    """Byte-level tokenizer: 256 byte tokens, the ChatML specials, filler tokens up to vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
+    table = {ch: i for i, ch in enumerate(alphabet)}
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        table[tok] = 256 + i
+    for i in range(256 + len(SPECIAL_TOKENS), vocab):
+        table[f"<|filler_{i}|>"] = i
+    tok = Tokenizer(models.BPE(vocab=table, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "model_max_length": 32768,
+    }, indent=1) + "\n")
+    (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+
+
+def _byte_of(ch: str) -> int:
+    """Inverse of GPT-2's byte-to-unicode map (printable bytes map to themselves)."""
+    code = ord(ch)
+    if code >= 256:
+        shifted = [b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
+        return shifted[code - 256]
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if args.layers < 1 or args.experts < 1:
+        raise ModelError("--layers and --experts must be at least 1")
+    if not 1 <= args.top_k <= args.experts:
+        raise ModelError(f"--top-k {args.top_k} must be between 1 and --experts ({args.experts})")
+    if args.vocab < 256 + len(SPECIAL_TOKENS):
+        raise ModelError(f"--vocab must be at least {256 + len(SPECIAL_TOKENS)} (byte tokens and specials)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelError("exists and is not an empty folder", out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"building {args.arch}: {args.layers} layers x {args.experts} experts, vocab {args.vocab} ...", file=sys.stderr)
+    build_checkpoint(args.arch, args.layers, args.experts, args.top_k, args.vocab, args.seed, out)
+    write_tokenizer(out, args.vocab)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote {out} ({size / 2**20:.0f} MiB of safetensors)")
+    return 0
