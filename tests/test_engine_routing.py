@@ -1,0 +1,89 @@
+"""The routing lever inside the engine: off is byte-identical, meters alone only measure, knobs apply live."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierlab.engine.evaluate import greedy_decode
+from tierlab.engine.knobs import Knobs
+from tierlab.engine.model import load_engine
+
+PROMPT = [int(i) for i in np.random.default_rng(3).integers(2, 250, 12)]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def folder(oracle_models):
+    return oracle_models["qwen3_5_moe"][1]  # 8 experts, top-2
+
+
+def decode_ids(folder, cache=None, **knobs):
+    engine = load_engine(folder, cache_slots=cache, knobs=Knobs.from_env({}, **knobs))
+    ids, _ = greedy_decode(engine, PROMPT, N)
+    return engine, ids
+
+
+def test_lever_off_is_byte_identical_to_the_stock_router(folder):
+    stock = load_engine(folder, cache_slots=4, knobs=Knobs.from_env({}))
+    stock.router = None  # no routing module at all: the plain top-K path
+    ids_stock, _ = greedy_decode(stock, PROMPT, N)
+    engine, ids = decode_ids(folder, cache=4)
+    assert np.array_equal(np.array(ids, dtype=np.int64).tobytes(), np.array(ids_stock, dtype=np.int64).tobytes())
+    assert engine.router.meters.slots == 0  # the lever's code never ran
+
+
+def test_route_agree_alone_only_measures(folder):
+    _, ids_off = decode_ids(folder, cache=4)
+    engine, ids = decode_ids(folder, cache=4, ROUTE_AGREE="1")
+    assert ids == ids_off
+    m = engine.meters()
+    assert m["slots"] > 0
+    assert m["route_agree"] == pytest.approx(100.0)
+    assert m["route_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert m["swap"] == 0.0
+
+
+def test_lever_raises_hit_rate_and_counts_swaps(folder):
+    off, _ = decode_ids(folder, cache=4)
+    on, _ = decode_ids(folder, cache=4, CACHE_ROUTE="1", ROUTE_J="1")
+    m_off, m_on = off.meters(), on.meters()
+    assert m_on["swaps"] > 0
+    assert m_on["ram_hit"] > m_off["ram_hit"]
+    assert m_on["route_agree"] < 100.0 and m_on["route_kl"] > 0
+
+
+def test_default_j_on_a_top2_model_substitutes_nothing(folder):
+    engine, ids = decode_ids(folder, cache=4, CACHE_ROUTE="1")
+    _, ids_off = decode_ids(folder, cache=4)
+    assert engine.meters()["swap"] == 0.0
+    assert ids == ids_off
+
+
+def test_knob_change_applies_at_the_next_token(folder):
+    engine = load_engine(folder, cache_slots=4, knobs=Knobs.from_env({}))
+    seen = []
+    engine.subscribe(lambda ev: seen.append((ev.index, sum(int(r.swapped.sum()) for r in ev.layers))))
+    logits = engine.prefill(PROMPT)
+    for i in range(N):
+        if i == N // 2:
+            engine.knobs.set("CACHE_ROUTE", True)
+            engine.knobs.set("ROUTE_J", 0)
+        logits = engine.step(int(np.argmax(logits)))
+    decode = seen[len(PROMPT):]
+    assert sum(s for _, s in decode[: N // 2]) == 0
+    assert sum(s for _, s in decode[N // 2:]) > 0
+
+
+def test_events_describe_each_token(folder):
+    engine = load_engine(folder, cache_slots=4, knobs=Knobs.from_env({}, CACHE_ROUTE="1", ROUTE_J="1"))
+    events = []
+    engine.subscribe(events.append)
+    engine.prefill(PROMPT)
+    assert [e.index for e in events] == list(range(len(PROMPT)))
+    assert all(e.phase == "prefill" for e in events)
+    layer = events[-1].layers[0]
+    assert layer.chosen.shape == (2,) and layer.true_topk.shape == (2,)
+    assert layer.chosen[0] == layer.true_topk[0]  # the sacred top-1
+    assert layer.ram_hits + layer.ram_misses == 2
+    assert engine.heat.sum() == len(PROMPT) * engine.config.n_layers * 2
