@@ -42,6 +42,7 @@ def bench_kind(kind: str, args, rng) -> dict | None:
     try:
         if args.show_device:
             print(f"device: {tier.describe()}")
+            print(f"{'kind':<5} {'MiB/expert':>10} {'ms/call':>8} {'experts/s':>10} {'GB/s':>7}")
             args.show_device = False
         for e in range(min(args.resident, tier.capacity)):
             tier.upload(0, e, random_blob(layout, rng))
@@ -72,6 +73,20 @@ def bench_kind(kind: str, args, rng) -> dict | None:
         tier.close()
 
 
+def _other_row_mode(device: str | None) -> str:
+    import os
+
+    import pyopencl as cl
+
+    from tierlab.engine.tiers.opencl_device import NoDevice, pick_device
+
+    try:
+        choice = pick_device(cl, device or os.environ.get("TIER_DEVICE") or None)
+    except NoDevice:
+        return "auto"
+    return "group" if choice.is_cpu else "row"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_tier", description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -81,12 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="timed seconds per kind")
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--device", default=None, help="device name substring (default: TIER_DEVICE, else a GPU)")
-    parser.add_argument("--row-mode", default="auto", choices=("auto", "row", "group"))
+    parser.add_argument("--row-mode", default="auto", choices=("auto", "row", "group", "other"),
+                        help="row strategy; 'other' = the one auto would not pick for this device")
     args = parser.parse_args(argv)
     args.show_device = True
+    if args.row_mode == "other":
+        args.row_mode = _other_row_mode(args.device)
     rng = np.random.default_rng(0)
     print(f"fused SwiGLU expert, H={args.hidden} I={args.inter}, {args.per_call} experts per call, median of calls")
-    print(f"{'kind':<5} {'MiB/expert':>10} {'ms/call':>8} {'experts/s':>10} {'GB/s':>7}")
     ok = False
     for kind in args.kinds.split(","):
         row = bench_kind(kind.strip(), args, rng)

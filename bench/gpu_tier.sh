@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# GPU expert tier on a machine with a real GPU: install, run the tier tests on
+# that GPU, print the device and a micro-benchmark of the fused expert
+# (experts/s and GB/s per blob kind at H=2048, I=512).
+#
+#   bench/gpu_tier.sh [DEVICE]     DEVICE = a substring of "platform / device"
+#                                  (default: $TIER_DEVICE, else the first GPU)
+# Environment: VENV (default .venv-gpu), LIGHT=1 installs only the package and
+# pytest instead of the full test extra (which pulls torch), SECONDS_PER_KIND.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ $# -ge 1 ]; then export TIER_DEVICE="$1"; fi
+VENV=${VENV:-.venv-gpu}
+PY="$VENV/bin/python"
+
+if [ ! -x "$PY" ]; then python3 -m venv "$VENV"; fi
+if [ "${LIGHT:-0}" = 1 ]; then
+    "$PY" -m pip install -q --disable-pip-version-check -e . "pytest>=8,<9"
+else
+    "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
+fi
+
+echo "== OpenCL devices"
+"$PY" - <<'PYEOF'
+import pyopencl as cl
+try:
+    platforms = cl.get_platforms()
+except cl.Error as exc:
+    raise SystemExit(f"no OpenCL platform: {exc}")
+for p in platforms:
+    for d in p.get_devices():
+        print(f"  {p.name.strip()} / {d.name.strip()}: {cl.device_type.to_string(d.type)}, "
+              f"{d.global_mem_size / 2**30:.1f} GiB, max buffer {d.max_mem_alloc_size / 2**30:.1f} GiB, "
+              f"{d.max_compute_units} CUs")
+PYEOF
+echo "TIER_DEVICE=${TIER_DEVICE:-<unset: first GPU, else any device>}"
+
+echo "== tier tests"
+"$PY" -m pytest -q -p no:cacheprovider tests/test_opencl_tier.py
+
+echo "== fused expert micro-benchmark (default kernel for the device)"
+"$PY" -m tierlab.engine.tiers.bench_tier --hidden 2048 --inter 512 --per-call 8 --resident 64 \
+    --seconds "${SECONDS_PER_KIND:-2}"
+echo "== same, the other row strategy (group <-> row), for comparison"
+"$PY" -m tierlab.engine.tiers.bench_tier --hidden 2048 --inter 512 --per-call 8 --resident 64 \
+    --seconds "${SECONDS_PER_KIND:-2}" --row-mode other
