@@ -271,3 +271,23 @@ def test_blob_size_mismatch_is_rejected_at_open():
         OpenCLTier.open("int4", 128, 64, 12345, notice=lambda s: None)
     with pytest.raises(ValueError):
         OpenCLTier.open("int4", 100, 64, 1, notice=lambda s: None)  # not a multiple of the group
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_agrees_with_the_container_quantiser(bits):
+    """Blobs written by the container's quantiser (engine/quant.py, written independently) run as they are."""
+    quant = pytest.importorskip("tierlab.engine.quant")
+    if not hasattr(quant, "build_blob"):
+        pytest.skip("container quantiser has no build_blob")
+    hidden, inter = SMALL
+    rng = np.random.default_rng(bits)
+    gate, up = (rng.standard_normal((inter, hidden)) * 0.1 for _ in range(2))
+    down = rng.standard_normal((hidden, inter)) * 0.1
+    blob = quant.build_blob(gate, up, down, bits)
+    kind = f"int{bits}"
+    tier, notes = open_tier(kind, hidden, inter)
+    assert tier.upload(0, 0, blob), notes
+    x = rng.standard_normal(hidden).astype(np.float32)
+    want = quant.expert_reference(*quant.blob_matrices(blob, bits, hidden, inter), x)
+    assert rel_err(tier.run(0, [0], x)[0], want) < 1e-5
+    tier.close()
