@@ -1,0 +1,190 @@
+"""Group quantisation reference and the numba kernels against float64 references."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tierlab.engine import quant as Q
+from tierlab.engine.kernels import qmatvec as K
+
+RTOL = 1e-5
+
+
+def _close(got, ref, rtol=RTOL):
+    """Max error relative to the largest reference value (elementwise relative error is
+    meaningless for outputs that happen to be near zero)."""
+    got = np.asarray(got, dtype=np.float64)
+    scale = max(np.abs(ref).max(), 1e-30)
+    err = np.abs(got - ref).max() / scale
+    assert err <= rtol, f"relative error {err:.3g} > {rtol}"
+
+
+@pytest.fixture(scope="module")
+def rng():
+    return np.random.default_rng(1234)
+
+
+# --- reference quantiser --------------------------------------------------------------------
+
+
+def test_int4_pack_unpack_round_trip(rng):
+    q = rng.integers(-8, 8, size=(5, 192), dtype=np.int8)
+    packed = Q.pack_int4(q)
+    assert packed.shape == (5, 96) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(Q.unpack_int4(packed), q)
+
+
+def test_int4_planar_nibble_bytes_are_as_specified():
+    q = np.arange(64, dtype=np.int16).reshape(1, 64) % 16 - 8
+    q = q.astype(np.int8)
+    packed = Q.pack_int4(q)[0]
+    for j in range(32):
+        assert int(packed[j]) == (int(q[0, j]) + 8) | ((int(q[0, j + 32]) + 8) << 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_bounds_and_error(rng, bits):
+    w = rng.standard_normal((8, 256)) * rng.uniform(0.01, 10, size=(8, 1))
+    q, s = Q.quantize(w, bits)
+    assert q.dtype == np.int8 and s.dtype == np.float32 and s.shape == (8, 4)
+    assert q.min() >= Q.QMIN[bits] and q.max() <= Q.QMAX[bits]
+    # every group's largest magnitude maps to +-qmax
+    assert (np.abs(q.reshape(8, 4, 64)).max(axis=2) == Q.QMAX[bits]).all()
+    err = np.abs(Q.dequantize(q, s) - w).reshape(8, 4, 64).max(axis=2)
+    assert (err <= s.astype(np.float64) * 0.5 + 1e-12).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_zero_group_gets_zero_scale(bits):
+    w = np.zeros((2, 128))
+    w[1, 64:] = np.linspace(-1, 1, 64)
+    q, s = Q.quantize(w, bits)
+    assert s[0, 0] == 0 and s[0, 1] == 0 and s[1, 0] == 0 and s[1, 1] > 0
+    assert not q[0].any() and not q[1, :64].any()
+
+
+def test_dims_must_be_multiples_of_64():
+    with pytest.raises(ValueError, match="multiples of 64"):
+        Q.check_dims(2048, 500)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Q.quantize(np.ones((2, 100)), 4)
+
+
+def test_blob_layout_sizes():
+    lay = Q.BlobLayout(4, 2048, 512)
+    assert lay.qbytes == 2048 * 512 // 2 and lay.sbytes == 2048 * 512 // 64 * 4
+    assert lay.nbytes == 3 * (lay.qbytes + lay.sbytes) and lay.stride % 4096 == 0 and lay.stride >= lay.nbytes
+    assert Q.BlobLayout(8, 2048, 512).nbytes == 3 * 2048 * 512 * (1 + 4 / 64)
+
+
+# --- matvec kernels -------------------------------------------------------------------------
+
+SHAPES = [(64, 64), (96, 320), (512, 2048), (2048, 512)]
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantised_matvec_matches_float64(rng, rows, cols, bits):
+    w = rng.standard_normal((rows, cols))
+    q, s = Q.quantize(w, bits)
+    x = rng.standard_normal(cols).astype(np.float32)
+    ref = Q.dequantize(q, s) @ x.astype(np.float64)
+    out = np.full(rows, np.nan, dtype=np.float32)
+    if bits == 4:
+        K.matvec_int4(Q.pack_int4(q), s, x, out)
+    else:
+        K.matvec_int8(q, s, x, out)
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_bf16_and_fp32_matvec_match_float64(rng, rows, cols):
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    x = rng.standard_normal(cols).astype(np.float32)
+    out = np.empty(rows, dtype=np.float32)
+    K.matvec_fp32(w, x, out)
+    _close(out, w.astype(np.float64) @ x)
+    wb = w.astype(ml_dtypes.bfloat16)
+    K.matvec_bf16(wb.view(np.uint16), x, out)
+    _close(out, wb.astype(np.float64) @ x)
+
+
+def test_int4_matvec_odd_inputs(rng):
+    """Zero groups, a lone extreme group, x with zeros and large values, and -8 nibbles."""
+    rows, cols = 64, 256
+    w = rng.standard_normal((rows, cols))
+    w[3] = 0.0
+    w[5, 64:128] = 0.0
+    w[7, :64] *= 1e4
+    q, s = Q.quantize(w, 4)
+    q[9, :] = -8  # the format allows -8 even if the quantiser never emits it
+    x = rng.standard_normal(cols).astype(np.float32)
+    x[:17] = 0.0
+    x[100] = 1e3
+    out = np.empty(rows, dtype=np.float32)
+    K.matvec_int4(Q.pack_int4(q), s, x, out)
+    ref = Q.dequantize(q, s) @ x.astype(np.float64)
+    _close(out, ref)
+    assert out[3] == 0.0
+
+
+# --- fused experts --------------------------------------------------------------------------
+
+
+def _expert(rng, hidden, inter):
+    return (rng.standard_normal((inter, hidden)) * 0.05, rng.standard_normal((inter, hidden)) * 0.05,
+            rng.standard_normal((hidden, inter)) * 0.05)
+
+
+@pytest.mark.parametrize("hidden,inter", [(128, 64), (2048, 512)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_quantised_expert_matches_float64(rng, hidden, inter, bits):
+    gate, up, down = _expert(rng, hidden, inter)
+    blob = Q.build_blob(gate, up, down, bits)
+    assert blob.nbytes == Q.BlobLayout(bits, hidden, inter).nbytes
+    x = rng.standard_normal(hidden).astype(np.float32)
+    y0 = rng.standard_normal(hidden).astype(np.float32)
+    y = y0.copy()
+    ref = Q.expert_reference(*Q.blob_matrices(blob, bits, hidden, inter), x)
+    K.EXPERT_FORWARD[f"int{bits}"](blob, hidden, inter, x, y, 0.375)
+    _close(y - y0.astype(np.float64), 0.375 * ref)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_fused_raw_expert_matches_float64(rng, kind):
+    hidden, inter = 192, 128
+    mats = _expert(rng, hidden, inter)
+    if kind == "fp32":
+        typed = [m.astype(np.float32) for m in mats]
+        blob = np.concatenate([m.ravel() for m in typed]).view(np.uint8)
+    else:
+        typed = [m.astype(ml_dtypes.bfloat16) for m in mats]
+        blob = np.concatenate([m.ravel().view(np.uint16) for m in typed]).view(np.uint8)
+    assert blob.nbytes == K.raw_blob_nbytes(kind, hidden, inter)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    y = np.zeros(hidden, dtype=np.float32)
+    K.EXPERT_FORWARD[kind](blob, hidden, inter, x, y, 1.0)
+    _close(y, Q.expert_reference(*[m.astype(np.float64) for m in typed], x))
+
+
+def test_fused_expert_reads_a_blob_inside_a_larger_slot(rng):
+    """RAM slots may be stride-sized: bytes past blob_nbytes must not matter."""
+    hidden, inter = 128, 64
+    blob = Q.build_blob(*_expert(rng, hidden, inter), 4)
+    slot = rng.integers(0, 256, size=Q.BlobLayout(4, hidden, inter).stride + 4096, dtype=np.uint8)
+    slot[: blob.nbytes] = blob
+    x = rng.standard_normal(hidden).astype(np.float32)
+    y1, y2 = np.zeros(hidden, np.float32), np.zeros(hidden, np.float32)
+    K.expert_forward_int4(blob, hidden, inter, x, y1, 1.0)
+    K.expert_forward_int4(slot, hidden, inter, x, y2, 1.0)
+    np.testing.assert_array_equal(y1, y2)
+
+
+def test_zero_weight_expert_leaves_y_unchanged(rng):
+    hidden, inter = 128, 64
+    blob = Q.build_blob(np.zeros((inter, hidden)), np.zeros((inter, hidden)), np.zeros((hidden, inter)), 8)
+    y = np.arange(hidden, dtype=np.float32)
+    K.expert_forward_int8(blob, hidden, inter, rng.standard_normal(hidden).astype(np.float32), y, 1.0)
+    np.testing.assert_array_equal(y, np.arange(hidden, dtype=np.float32))
