@@ -291,3 +291,36 @@ def test_agrees_with_the_container_quantiser(bits):
     want = quant.expert_reference(*quant.blob_matrices(blob, bits, hidden, inter), x)
     assert rel_err(tier.run(0, [0], x)[0], want) < 1e-5
     tier.close()
+
+
+def test_warmstart_fills_the_tier_in_heat_order_then_stops_when_full(tmp_path):
+    from tierlab.engine.errors import FormatError
+    from tierlab.engine.heat import HeatProfile
+    from tierlab.engine.tiers.warmstart import warmstart
+
+    hidden, inter = SMALL
+    kind = "int4"
+    stride = -(-blob_nbytes(kind, hidden, inter) // 256) * 256
+    rng = np.random.default_rng(9)
+    blobs = {(l, e): make_expert(kind, hidden, inter, rng) for l in range(3) for e in range(4)}
+
+    def read_into(layer, expert, out):
+        out[:] = blobs[(layer, expert)][0]
+
+    heat = HeatProfile(3, 4)
+    heat.counts[:] = [[0, 0, 0, 0], [1, 9, 0, 3], [5, 0, 0, 2]]
+    heat.write(tmp_path / "heat.bin")
+    tier, notes = open_tier(kind, hidden, inter, budget=3.5 * stride / 2**30)
+    report = warmstart(tier, read_into, 3, 4, heat_file=str(tmp_path / "heat.bin"))
+    assert (report.order, report.planned, report.uploaded) == ("heat", 3, 3)
+    assert tier.residents() == [(1, 1), (1, 3), (2, 0)]
+    x = rng.standard_normal(hidden).astype(np.float32)
+    assert rel_err(tier.run(2, [0], x)[0], reference(blobs[(2, 0)][1], x)) < 1e-5
+    tier.close()
+
+    tier, notes = open_tier(kind, hidden, inter, budget=3.5 * stride / 2**30)
+    report = warmstart(tier, read_into, 3, 4, moe_layers=[False, True, True])
+    assert report.order == "index" and tier.residents() == [(1, 0), (1, 1), (1, 2)]
+    with pytest.raises(FormatError):
+        warmstart(tier, read_into, 3, 5, heat_file=str(tmp_path / "heat.bin"))
+    tier.close()
