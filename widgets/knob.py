@@ -142,7 +142,7 @@ class Knob(Widget, can_focus=True):
             self.step = (self.high - self.low) / 100 or 0.01
             self.big_step = max(self.step, (self.high - self.low) / 10)
         self.default = self.clamp(self.default)
-        self.value = self.clamp(self.value)
+        self.set_reactive(Knob.value, self.clamp(self.value))
         self.refresh()
 
     def validate_value(self, value: float) -> float:
@@ -283,10 +283,22 @@ class KnobSwitch(Horizontal):
         def knob_name(self) -> str:
             return self.knob.knob_name
 
-    def __init__(self, knob_name: str, value: bool = False, *, default: bool = False, help: str = "", id: str | None = None) -> None:
+    def __init__(
+        self,
+        knob_name: str,
+        value: bool = False,
+        *,
+        default: bool = False,
+        on_text: str = "on",
+        off_text: str = "off",
+        help: str = "",
+        id: str | None = None,
+    ) -> None:
         super().__init__(id=id)
         self.knob_name = knob_name
         self.default = default
+        self.on_text = on_text
+        self.off_text = off_text
         self._initial = value
         if help:
             self.tooltip = f"{knob_name}: {help}"
@@ -297,7 +309,8 @@ class KnobSwitch(Horizontal):
         yield Label(self._state_text(self._initial), classes="knob-switch--state")
 
     def _state_text(self, value: bool) -> str:
-        return ("on" if value else "off") + f" (default {'on' if self.default else 'off'})"
+        default = self.on_text if self.default else self.off_text
+        return (self.on_text if value else self.off_text) + f" ({default})"
 
     @property
     def value(self) -> bool:

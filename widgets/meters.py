@@ -21,7 +21,8 @@ HISTORY = 400
 
 
 def percent(value: float) -> str:
-    return f"{100 * value:5.1f}%"
+    """Rates arrive in percent, as the engine's meters() gives them."""
+    return f"{value:5.1f}%"
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,9 @@ class MeterPlot(PlotextPlot):
         plt.title("hit rate % and tok/s over tokens")
         tokens = list(history.tokens)
         if tokens:
-            plt.plot(tokens, [100 * v for v in history.values("ram_hit")], label="RAM hit %", marker="braille", color="cyan")
+            plt.plot(tokens, history.values("ram_hit"), label="RAM hit %", marker="braille", color="cyan")
             if any(history.values("vram_hit")):
-                plt.plot(tokens, [100 * v for v in history.values("vram_hit")], label="VRAM hit %", marker="braille", color="green")
+                plt.plot(tokens, history.values("vram_hit"), label="VRAM hit %", marker="braille", color="green")
             plt.plot(tokens, history.values("tok_s"), label="tok/s", marker="braille", color="orange", yside="right")
             first = tokens[0]
             for mark in history.marks:

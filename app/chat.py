@@ -1,0 +1,112 @@
+"""The chat pane: the conversation, the prompt and the sampling settings.
+
+It only holds and shows the conversation; generating the reply is the app's
+job, so the pane never touches the engine.
+"""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Input, Static
+
+from tierlab.widgets.knob import Knob, KnobSwitch
+
+
+class ChatMessage(Static):
+    """One turn: the user's prompt, the model's reply (growing while it streams) or a note."""
+
+    DEFAULT_CSS = """
+    ChatMessage { margin: 0 0 1 0; padding: 0 1; }
+    ChatMessage.-user { background: $boost; color: $text; border-left: thick $primary; }
+    ChatMessage.-assistant { border-left: thick $success; }
+    ChatMessage.-raw { border-left: thick $warning; }
+    ChatMessage.-note { color: $text-muted; text-style: italic; }
+    ChatMessage.-streaming { border-left: thick $accent; }
+    """
+
+    def __init__(self, role: str, text: str = "") -> None:
+        super().__init__(text, markup=False, classes=f"-{role}")
+        self.role = role
+        self.text = text
+
+    def set_text(self, text: str) -> None:
+        self.text = text
+        self.update(text if text else "…")
+
+
+class ChatPane(Vertical):
+    """Conversation, prompt input and generation settings."""
+
+    DEFAULT_CSS = """
+    ChatPane #conversation { height: 1fr; }
+    ChatPane #chat-settings { height: auto; }
+    ChatPane #chat-settings > Knob { width: 1fr; }
+    ChatPane #prompt { dock: bottom; }
+    """
+
+    class Submitted(Message):
+        """The user sent a prompt."""
+
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.messages: list[dict[str, str]] = []
+        """The conversation as chat-template messages (chat mode only)."""
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(id="conversation")
+        with Vertical(id="chat-settings"):
+            yield Knob("temperature", 0.0, 2.0, value=0.0, default=0.0, step=0.05, big_step=0.25, id="temperature",
+                       help="0 = greedy decoding")
+            yield Knob("top-p", 0.0, 1.0, value=1.0, default=1.0, step=0.01, big_step=0.1, id="top-p",
+                       help="nucleus sampling mass (1 = off)")
+            yield Knob("max tokens", 1, 512, value=64, default=64, integer=True, step=1, big_step=32, id="max-tokens",
+                       help="stop the reply after this many new tokens")
+            yield KnobSwitch("raw mode", False, default=False, id="raw-mode",
+                             help="complete the prompt as plain text instead of a chat turn")
+        yield Input(placeholder="Ask something… (Enter sends, Esc stops)", id="prompt")
+
+    @property
+    def raw_mode(self) -> bool:
+        return self.query_one("#raw-mode", KnobSwitch).value
+
+    @raw_mode.setter
+    def raw_mode(self, value: bool) -> None:
+        self.query_one("#raw-mode", KnobSwitch).value = value
+
+    def settings(self) -> dict[str, float | int]:
+        """Sampling settings for the next reply."""
+        return {
+            "temperature": float(self.query_one("#temperature", Knob).value),
+            "top_p": float(self.query_one("#top-p", Knob).value),
+            "max_new_tokens": int(self.query_one("#max-tokens", Knob).value),
+        }
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        text = event.value.strip()
+        if text:
+            event.input.clear()
+            self.post_message(self.Submitted(text))
+
+    def add(self, role: str, text: str = "") -> ChatMessage:
+        """Show a new turn at the end and keep it in view."""
+        message = ChatMessage(role, text)
+        conversation = self.query_one("#conversation", VerticalScroll)
+        conversation.mount(message)
+        message.set_text(text)
+        conversation.scroll_end(animate=False)
+        return message
+
+    def follow(self) -> None:
+        """Keep the newest text in view while it streams."""
+        self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
+
+    def clear(self) -> None:
+        self.messages.clear()
+        self.query_one("#conversation", VerticalScroll).remove_children()

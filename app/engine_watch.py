@@ -1,0 +1,174 @@
+"""What the app keeps of the engine's per-token reports.
+
+The engine calls its listeners from its own thread after every token; the
+UI redraws at its own pace (a few times a second). This object sits between
+the two: the listener only updates a few arrays under a lock, and the UI
+copies them out when it is ready to draw.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from tierlab.engine.events import TokenEvent
+from tierlab.engine.knobs import KnobChange
+from tierlab.widgets.heatmap import HeatmapData
+from tierlab.widgets.meters import MeterHistory
+
+
+ORACLE_INTERVAL = 1.0
+"""Seconds between recomputations of the oracle (Belady) hit rate."""
+
+
+def format_knob_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+class EngineWatch:
+    """Collects routing, residency and meters from an engine for the app to draw."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        config = engine.config
+        self.n_layers = int(config.n_layers)
+        self.n_experts = int(config.n_experts)
+        shape = (self.n_layers, self.n_experts)
+        self.lock = threading.Lock()
+        self.tokens_seen = 0
+        """Tokens (prefill and decode) since the app opened the engine: the x axis of the plots."""
+        self.last_use = np.full(shape, -1, np.int64)
+        self.swap_counts = np.zeros(shape, np.int64)
+        self.chosen = np.zeros(shape, bool)
+        self.swapped = np.zeros(shape, bool)
+        self.history = MeterHistory()
+        self.last_event: TokenEvent | None = None
+        self.meter_errors = 0
+        self._oracle = 0.0
+        self._oracle_at = 0.0
+        self._token_listeners: list[Callable[[TokenEvent], None]] = []
+        self._knob_listeners: list[Callable[[KnobChange, int], None]] = []
+        self._closed = False
+        engine.subscribe(self._on_token)
+        engine.knobs.subscribe(self._on_knob)
+
+    # -- listeners (engine thread for tokens, any thread for knobs) ---------
+
+    def add_token_listener(self, listener: Callable[[TokenEvent], None]) -> None:
+        with self.lock:
+            self._token_listeners.append(listener)
+
+    def remove_token_listener(self, listener: Callable[[TokenEvent], None]) -> None:
+        with self.lock:
+            if listener in self._token_listeners:
+                self._token_listeners.remove(listener)
+
+    def add_knob_listener(self, listener: Callable[[KnobChange, int], None]) -> None:
+        """`listener(change, token)` gets every knob change and the token it first applies to."""
+        with self.lock:
+            self._knob_listeners.append(listener)
+
+    def remove_knob_listener(self, listener: Callable[[KnobChange, int], None]) -> None:
+        with self.lock:
+            if listener in self._knob_listeners:
+                self._knob_listeners.remove(listener)
+
+    def _on_token(self, event: TokenEvent) -> None:
+        if self._closed:
+            return
+        chosen = np.zeros_like(self.chosen)
+        swapped = np.zeros_like(self.swapped)
+        try:
+            meters = dict(self.engine.meters())
+            meters.setdefault("oracle_hit", self._oracle_hit())
+        except Exception:  # a meter that fails must not stop generation
+            self.meter_errors += 1
+            meters = {}
+        with self.lock:
+            token = self.tokens_seen
+            self.tokens_seen += 1
+            for route in event.layers:
+                ids = np.asarray(route.chosen)
+                used = ids >= 0
+                chosen[route.layer, ids[used]] = True
+                self.last_use[route.layer, ids[used]] = token
+                subs = ids[used & np.asarray(route.swapped, bool)]
+                swapped[route.layer, subs] = True
+                self.swap_counts[route.layer, subs] += 1
+            self.chosen = chosen
+            self.swapped = swapped
+            self.last_event = event
+            self.history.add(token, meters)
+            listeners = list(self._token_listeners)
+        for listener in listeners:
+            listener(event)
+
+    def _oracle_hit(self) -> float:
+        """The Belady bound replays every request so far, so it is refreshed at most once a second."""
+        oracle = getattr(self.engine, "oracle_hit", None)
+        now = time.monotonic()
+        if oracle is not None and now - self._oracle_at >= ORACLE_INTERVAL:
+            self._oracle_at = now
+            self._oracle = float(oracle())
+        return self._oracle
+
+    def _on_knob(self, change: KnobChange) -> None:
+        self.mark(f"{change.name}={format_knob_value(change.new)}", change)
+
+    def mark(self, label: str, change: KnobChange | None = None) -> None:
+        """Note a change at the next token (knob changes arrive here; the app adds cache-size changes)."""
+        with self.lock:
+            token = self.tokens_seen
+            self.history.mark(token, label)
+            listeners = list(self._knob_listeners)
+        if change is not None:
+            for listener in listeners:
+                listener(change, token)
+
+    # -- snapshots for the UI ----------------------------------------------
+
+    def residency(self) -> np.ndarray:
+        """Current level of every expert, int8 [L, E]."""
+        return np.stack([np.asarray(self.engine.residency(layer), np.int8) for layer in range(self.n_layers)])
+
+    def heatmap_data(self) -> HeatmapData:
+        """A consistent copy of everything the heatmap draws."""
+        levels = self.residency()
+        heat = np.array(self.engine.heat, dtype=np.int64, copy=True)
+        with self.lock:
+            return HeatmapData(
+                levels=levels,
+                heat=heat,
+                chosen=self.chosen.copy(),
+                swapped=self.swapped.copy(),
+                last_use=self.last_use.copy(),
+                swap_counts=self.swap_counts.copy(),
+                token=self.tokens_seen - 1,
+            )
+
+    def meter_history(self) -> MeterHistory:
+        """A copy of the meter history that the engine thread cannot change under the reader."""
+        with self.lock:
+            return copy.deepcopy(self.history)
+
+    def clear_history(self) -> None:
+        """Forget the per-token pictures (the engine's own counters are its business)."""
+        with self.lock:
+            self.history.clear()
+            self.last_use[:] = -1
+            self.swap_counts[:] = 0
+            self.chosen[:] = False
+            self.swapped[:] = False
+
+    def close(self) -> None:
+        """Stop listening (the engine has no unsubscribe for tokens, so the listener goes quiet)."""
+        self._closed = True
+        self.engine.knobs.unsubscribe(self._on_knob)

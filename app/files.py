@@ -1,0 +1,51 @@
+"""Where the app writes what it saves: session logs and heat profiles.
+
+Files go to one folder (``--sessions``, default ``./tierlab-sessions``) with
+names that sort by time, so the sessions screen can list them newest first.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+import numpy as np
+
+from tierlab.engine.heat import HeatProfile
+
+LOG_SUFFIX = ".jsonl"
+HEAT_SUFFIX = ".heat"
+
+
+def stamped_path(folder: Path, prefix: str, suffix: str) -> Path:
+    """A new file name in `folder` like ``session-20261130-141502.jsonl`` (never an existing one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = folder / f"{prefix}-{stamp}{suffix}"
+    n = 2
+    while path.exists():
+        path = folder / f"{prefix}-{stamp}-{n}{suffix}"
+        n += 1
+    return path
+
+
+def session_heat(engine) -> HeatProfile:
+    """The engine's routing counts so far, as a heat profile."""
+    counts = np.array(engine.heat, dtype=np.int64, copy=True)
+    return HeatProfile(counts.shape[0], counts.shape[1], counts)
+
+
+def save_session_heat(engine, path: str | Path | None, folder: Path) -> Path:
+    """Write the session's heat to `path` (or a new stamped file in `folder`); returns the path."""
+    target = Path(path) if path else stamped_path(folder, "heat", HEAT_SUFFIX)
+    if target.parent and not target.parent.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+    session_heat(engine).write(target)
+    return target
+
+
+def list_logs(folder: Path) -> list[Path]:
+    """Session logs in `folder`, newest first."""
+    if not folder.is_dir():
+        return []
+    return sorted(folder.glob(f"*{LOG_SUFFIX}"), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)

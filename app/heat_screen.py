@@ -1,0 +1,179 @@
+"""The heat-profile inspector (F2): open, read and compare heat profiles.
+
+A heat profile decides what the GPU tier holds from the start, so it is
+worth seeing: which experts a layer prefers (the heatmap), how concentrated
+each layer is (entropy, and how many experts cover 50% / 90% of its
+routings), and how two profiles differ layer by layer.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Button, DataTable, Footer, Header, Input, Static
+
+from tierlab.engine.errors import TierlabError
+from tierlab.engine.heat import HeatProfile, LayerDiff, diff
+from tierlab.widgets.heatmap import ExpertHeatmap, HeatmapData
+
+
+def bar(fraction: float, width: int = 10) -> str:
+    """A left-to-right bar of `width` cells filled to `fraction` (eighths for smoothness)."""
+    if math.isnan(fraction):
+        return "·" * width
+    eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
+    full, part = divmod(eighths, 8)
+    text = "█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")
+    return text.ljust(width, "░")
+
+
+def profile_data(profile: HeatProfile) -> HeatmapData:
+    """Heatmap arrays for a profile on its own (no residency, no current token)."""
+    data = HeatmapData.empty(profile.n_layers, profile.n_experts)
+    data.heat = profile.counts.copy()
+    return data
+
+
+class ProfilePane(Vertical):
+    """One profile: its name, heatmap and per-layer table."""
+
+    DEFAULT_CSS = """
+    ProfilePane { width: 1fr; border: round $primary-darken-1; }
+    ProfilePane > ExpertHeatmap { height: 1fr; min-height: 6; }
+    ProfilePane > DataTable { height: 1fr; }
+    """
+
+    def __init__(self, side: str) -> None:
+        super().__init__(id=f"pane-{side}")
+        self.side = side
+        self.profile: HeatProfile | None = None
+        self.border_title = f"profile {side.upper()}"
+
+    def compose(self) -> ComposeResult:
+        heatmap = ExpertHeatmap(id=f"heat-map-{self.side}")
+        heatmap.mode = "heat"
+        yield heatmap
+        yield DataTable(id=f"stats-{self.side}", zebra_stripes=True, cursor_type="row")
+
+    def show(self, profile: HeatProfile, source: str, diffs: list[LayerDiff] | None = None) -> None:
+        self.profile = profile
+        self.border_title = f"{self.side.upper()}: {Path(source).name}"
+        self.query_one(ExpertHeatmap).update_data(profile_data(profile), now=True)
+        table = self.query_one(DataTable)
+        table.clear(columns=True)
+        for label in ("layer", "routings", "entropy", "cover 50%", "cover 90%", "top experts"):
+            table.add_column(label, key=label)
+        if diffs is not None:
+            for label in ("top overlap", "TVD", "JS"):
+                table.add_column(label, key=label)
+        for summary in profile.summaries(top=4):
+            row = [
+                str(summary.layer),
+                f"{summary.routings:,}",
+                f"{bar(summary.entropy_norm, 8)} {summary.entropy_norm:.2f}",
+                f"{bar(summary.cover50 / profile.n_experts, 6)} {summary.cover50}",
+                f"{bar(summary.cover90 / profile.n_experts, 6)} {summary.cover90}",
+                " ".join(str(e) for e, _ in summary.top),
+            ]
+            if diffs is not None:
+                d = diffs[summary.layer]
+                row += [f"{d.top_overlap:.2f}", f"{d.tvd:.3f}", f"{d.js:.3f}"]
+            table.add_row(*row)
+
+
+class HeatInspector(Screen):
+    """Open a heat profile, compare it with a second one, save this session's heat."""
+
+    DEFAULT_CSS = """
+    HeatInspector #heat-inputs { height: auto; }
+    HeatInspector #heat-inputs Input { width: 1fr; }
+    HeatInspector #heat-inputs Button { min-width: 10; }
+    HeatInspector #heat-body { height: 1fr; }
+    HeatInspector #pane-b { display: none; }
+    HeatInspector.-compare #pane-b { display: block; }
+    HeatInspector #heat-status { height: 1; color: $text-muted; padding: 0 1; }
+    """
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back"),
+        Binding("ctrl+s", "save", "Save session heat"),
+        Binding("ctrl+o", "load", "Load"),
+    ]
+
+    def __init__(self, initial: Path | None = None) -> None:
+        super().__init__()
+        self.initial = initial
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="heat-inputs"):
+            yield Input(placeholder="heat profile A (path)", id="heat-path-a")
+            yield Input(placeholder="profile B to compare (optional)", id="heat-path-b")
+            yield Button("Load", id="heat-load", variant="primary", compact=True)
+            yield Input(placeholder="save session heat to… (empty = new file)", id="heat-save-path")
+            yield Button("Save", id="heat-save", compact=True)
+        with Horizontal(id="heat-body"):
+            yield ProfilePane("a")
+            yield ProfilePane("b")
+        yield Static("Enter a path and press Enter (or Load).", id="heat-status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = "heat profiles"
+        if self.initial is not None:
+            self.query_one("#heat-path-a", Input).value = str(self.initial)
+            self.action_load()
+        self.query_one("#heat-path-a", Input).focus()
+
+    def _read(self, raw: str) -> HeatProfile | None:
+        try:
+            return HeatProfile.read(Path(raw).expanduser())
+        except TierlabError as exc:
+            self.app.notify(str(exc), title="Heat profile", severity="error")
+            return None
+
+    @on(Input.Submitted, "#heat-path-a, #heat-path-b")
+    @on(Button.Pressed, "#heat-load")
+    def action_load(self) -> None:
+        """Load A (and B if given); B is compared with A layer by layer."""
+        path_a = self.query_one("#heat-path-a", Input).value.strip()
+        path_b = self.query_one("#heat-path-b", Input).value.strip()
+        if not path_a:
+            self.app.notify("give the path of a heat profile", severity="warning")
+            return
+        profile_a = self._read(path_a)
+        if profile_a is None:
+            return
+        self.query_one("#pane-a", ProfilePane).show(profile_a, path_a)
+        status = f"A: {profile_a.n_layers} layers × {profile_a.n_experts} experts, {int(profile_a.counts.sum()):,} routings"
+        self.remove_class("-compare")
+        if path_b:
+            profile_b = self._read(path_b)
+            if profile_b is None:
+                return
+            try:
+                diffs = diff(profile_a, profile_b)
+            except TierlabError as exc:
+                self.app.notify(str(exc), title="Compare", severity="error")
+                return
+            self.query_one("#pane-b", ProfilePane).show(profile_b, path_b, diffs)
+            self.add_class("-compare")
+            mean_tvd = [d.tvd for d in diffs if not math.isnan(d.tvd)]
+            if mean_tvd:
+                status += f" | B vs A: mean TVD {sum(mean_tvd) / len(mean_tvd):.3f}"
+        self.query_one("#heat-status", Static).update(status)
+
+    @on(Input.Submitted, "#heat-save-path")
+    @on(Button.Pressed, "#heat-save")
+    def action_save(self) -> None:
+        """Save the running session's heat and open it as profile A."""
+        raw = self.query_one("#heat-save-path", Input).value.strip()
+        written = self.app.action_save_heat(raw or None)  # type: ignore[attr-defined]
+        if written is not None:
+            self.query_one("#heat-path-a", Input).value = str(written)
+            self.action_load()

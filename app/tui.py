@@ -1,0 +1,484 @@
+"""The tierlab terminal app: chat with a tiered MoE while tuning its routing.
+
+The engine runs in a worker thread; it reports every token to an
+`EngineWatch`, and the UI reads that at its own pace (a tenth of a second),
+so a fast engine never floods the screen and a slow one never freezes it.
+Knob moves go straight to `engine.knobs`, which the engine reads at the
+start of each token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Button, Footer, Header
+
+from tierlab.app.chat import ChatMessage, ChatPane
+from tierlab.app.engine_watch import EngineWatch, format_knob_value
+from tierlab.app.knob_panel import CACHE_SLOTS, KnobsPanel
+from tierlab.engine.errors import TierlabError
+from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
+from tierlab.widgets.heatmap import ExpertHeatmap
+from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch
+from tierlab.widgets.meters import MeterPlot, MetersPanel
+
+VIEW_INTERVAL = 0.1
+"""Seconds between redraws of heatmap and meters while tokens arrive."""
+STREAM_INTERVAL = 0.05
+"""Seconds between updates of the reply text while it streams."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as the single line a notification can show."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def open_engine(model_dir: Path, cache_slots: int | None, tier: bool, heat: Path | None):
+    """Load an engine, passing the tier options only if this engine build takes them."""
+    from tierlab.engine.model import load_engine
+
+    wanted = {"tier": tier or None, "heat": heat}
+    accepted = inspect.signature(load_engine).parameters
+    extra = {name: value for name, value in wanted.items() if value and name in accepted}
+    engine = load_engine(model_dir, cache_slots=cache_slots, **extra)
+    missing = [name for name, value in wanted.items() if value and name not in accepted]
+    return engine, missing
+
+
+class TierlabApp(App):
+    """Chat, knobs, expert heatmap and meters on one screen."""
+
+    TITLE = "tierlab"
+    CSS_PATH = "tierlab.tcss"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
+
+    BINDINGS = [
+        Binding("f1,question_mark", "help", "Help", key_display="F1"),
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+r", "toggle_recording", "Record"),
+        Binding("r", "toggle_recording", "Record", show=False),
+        Binding("f2", "heat_inspector", "Heat"),
+        Binding("f3", "sessions", "Sessions"),
+        Binding("f4", "save_heat", "Save heat", show=False),
+        Binding("f6", "reset_knobs", "Reset knobs", show=False),
+        Binding("ctrl+l", "clear_chat", "Clear"),
+        Binding("ctrl+t", "toggle_raw", "Chat/raw", show=False),
+        Binding("f7", "focus('heatmap')", "Heatmap", show=False),
+        Binding("f8", "focus('knobs')", "Knobs", show=False),
+        Binding("f9", "focus('prompt')", "Prompt", show=False),
+        Binding("ctrl+q", "quit", "Quit"),
+    ]
+
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        engine_factory: Callable[[], object] | None = None,
+        cache_slots: int | None = None,
+        tier: bool = False,
+        heat: str | Path | None = None,
+        sessions_dir: str | Path = "tierlab-sessions",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.model_dir = None if model_dir is None else Path(model_dir)
+        self.engine_factory = engine_factory
+        self.cache_slots = cache_slots
+        self.tier = tier
+        self.heat_path = None if heat is None else Path(heat)
+        self.sessions_dir = Path(sessions_dir)
+        self.seed = seed
+        self.engine = None
+        self.watch: EngineWatch | None = None
+        self.recorder = None
+        self.generating = False
+        self.replies = 0
+        self._stop_event = threading.Event()
+        self._drawn_tokens = -1
+        self._initial_slots = 0
+
+    # -- layout --------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            yield ChatPane(id="chat")
+            with Vertical(id="side"):
+                yield ExpertHeatmap(id="heatmap")
+                with Horizontal(id="lower"):
+                    yield KnobsPanel(id="knobs")
+                    with Vertical(id="meters-box"):
+                        yield MetersPanel(id="meters")
+                        yield MeterPlot(id="plot")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#chat").border_title = "Chat"
+        self.query_one("#heatmap").border_title = "Experts"
+        self.query_one("#knobs").border_title = "Knobs"
+        self.query_one("#meters-box").border_title = "Meters"
+        self.sub_title = "loading…"
+        self.query_one("#prompt").focus()
+        self.set_interval(VIEW_INTERVAL, self.refresh_views, name="views")
+        self.load_engine()
+
+    # -- engine --------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
+    def load_engine(self) -> None:
+        """Open the model without blocking the screen (first loads compile kernels)."""
+        if self.engine_factory is None and self.model_dir is None:
+            self.call_from_thread(self._engine_failed, "no model: start with --model DIR")
+            return
+        try:
+            if self.engine_factory is not None:
+                engine, missing = self.engine_factory(), []
+            else:
+                engine, missing = open_engine(self.model_dir, self.cache_slots, self.tier, self.heat_path)
+        except TierlabError as exc:
+            self.call_from_thread(self._engine_failed, one_line(exc))
+            return
+        except Exception as exc:  # an engine bug must not take the app down
+            self.call_from_thread(self._engine_failed, f"{type(exc).__name__}: {one_line(exc)}")
+            return
+        self.call_from_thread(self._engine_ready, engine, missing)
+
+    def _engine_failed(self, message: str) -> None:
+        self.sub_title = "no model"
+        self.notify(message, title="Model not loaded", severity="error", timeout=15)
+
+    def _engine_ready(self, engine, missing: list[str]) -> None:
+        self.engine = engine
+        self.watch = EngineWatch(engine)
+        config = engine.config
+        slots = self._cache_slots_of(engine)
+        self._initial_slots = slots
+        self.query_one(KnobsPanel).configure(int(config.top_k), int(config.n_experts), slots)
+        self.query_one(KnobsPanel).show(engine.knobs.snapshot(), slots)
+        self.refresh_views(force=True)
+        self._update_subtitle()
+        for option in missing:
+            self.notify(f"--{option} is not supported by this engine yet; running without it", severity="warning")
+        if getattr(engine, "tokenizer", None) is None:
+            self.notify("this model has no tokenizer.json: chat is off", severity="warning")
+        self._show_engine_notices()
+
+    @staticmethod
+    def _cache_slots_of(engine) -> int:
+        cache = getattr(engine, "cache", None)
+        slots = getattr(cache, "slots", None)
+        if isinstance(slots, int):
+            return slots
+        return int(engine.config.n_experts)
+
+    def _show_engine_notices(self) -> None:
+        notices = getattr(self.engine, "notices", None)
+        if notices:
+            while notices:
+                self.notify(str(notices.pop(0)), title="engine", severity="warning")
+
+    def _update_subtitle(self) -> None:
+        if self.engine is None:
+            return
+        config = self.engine.config
+        name = getattr(self.engine, "model_dir", None)
+        parts = [
+            Path(name).name if name else "model",
+            f"{config.n_layers}L × {config.n_experts}E top-{config.top_k}",
+            f"cache {self._cache_slots_of(self.engine)}",
+        ]
+        if self.watch is not None:
+            parts.append(f"{self.watch.tokens_seen} tok")
+        if self.generating:
+            parts.append("generating…")
+        if self.recorder is not None:
+            parts.append("● REC")
+        self.sub_title = " · ".join(parts)
+
+    def refresh_views(self, force: bool = False) -> None:
+        """Redraw heatmap and meters if tokens arrived since the last redraw."""
+        if self.watch is None:
+            return
+        seen = self.watch.tokens_seen
+        if seen == self._drawn_tokens and not force:
+            return
+        self._drawn_tokens = seen
+        self.query_one(ExpertHeatmap).update_data(self.watch.heatmap_data(), now=force)
+        history = self.watch.meter_history()
+        self.query_one(MetersPanel).show(history)
+        plot = self.query_one(MeterPlot)
+        if plot.display:
+            plot.show(history)
+        self._update_subtitle()
+        self._show_engine_notices()
+
+    # -- chat ----------------------------------------------------------------
+
+    @on(ChatPane.Submitted)
+    def start_reply(self, event: ChatPane.Submitted) -> None:
+        chat = self.query_one(ChatPane)
+        if self.engine is None:
+            self.notify("no model loaded", severity="error")
+            return
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is None:
+            self.notify("this model has no tokenizer: cannot chat", severity="error")
+            return
+        if self.generating:
+            self.notify("still answering; Esc stops it", severity="warning")
+            return
+        if chat.raw_mode:
+            prompt = event.text
+            chat.add("user", event.text)
+            reply = chat.add("raw")
+        else:
+            messages = chat.messages + [{"role": "user", "content": event.text}]
+            try:
+                prompt = tokenizer.render_chat(messages, add_generation_prompt=True)
+            except TierlabError as exc:
+                self.notify(one_line(exc), title="Chat template", severity="error")
+                return
+            chat.messages.append(messages[-1])
+            chat.add("user", event.text)
+            reply = chat.add("assistant")
+        reply.add_class("-streaming")
+        self.generating = True
+        self._stop_event = threading.Event()
+        self._update_subtitle()
+        self.generate_reply(prompt, reply, chat.settings(), self._stop_event)
+
+    @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
+    def generate_reply(self, prompt: str, reply: ChatMessage, settings: dict, stop: threading.Event) -> None:
+        """Run the engine in this thread; hand text to the UI a few times a second."""
+        engine = self.engine
+        tokenizer = engine.tokenizer
+        produced: list[int] = []
+        error: str | None = None
+        last_shown = 0.0
+        try:
+            prompt_ids = tokenizer.encode(prompt)
+            if not prompt_ids:
+                raise TierlabError("the prompt encodes to no tokens")
+            for token in engine.generate(prompt_ids, seed=self.seed, stop_event=stop, **settings):
+                produced.append(int(token))
+                now = time.monotonic()
+                if now - last_shown >= STREAM_INTERVAL:
+                    last_shown = now
+                    self._call_ui(self._show_partial, reply, tokenizer.decode(produced, skip_special=True))
+        except TierlabError as exc:
+            error = one_line(exc)
+        except Exception as exc:  # an engine bug ends this reply, not the app
+            error = f"{type(exc).__name__}: {one_line(exc)}"
+        text = tokenizer.decode(produced, skip_special=True) if produced else ""
+        self._call_ui(self._finish_reply, reply, text, len(produced), stop.is_set(), error)
+
+    def _call_ui(self, callback, *args) -> None:
+        try:
+            self.call_from_thread(callback, *args)
+        except RuntimeError:  # the app is closing
+            pass
+
+    def _show_partial(self, reply: ChatMessage, text: str) -> None:
+        reply.set_text(text)
+        self.query_one(ChatPane).follow()
+
+    def _finish_reply(self, reply: ChatMessage, text: str, n_tokens: int, stopped: bool, error: str | None) -> None:
+        self.generating = False
+        self.replies += 1
+        reply.remove_class("-streaming")
+        reply.set_text(text + (" ⏹" if stopped else ""))
+        chat = self.query_one(ChatPane)
+        if reply.role == "assistant":
+            chat.messages.append({"role": "assistant", "content": text})
+        chat.follow()
+        if error:
+            self.notify(error, title="Engine", severity="error")
+        self.refresh_views(force=True)
+
+    def action_stop(self) -> None:
+        """Stop the reply being generated (takes effect after the current token)."""
+        if self.generating:
+            self._stop_event.set()
+            self.notify("stopping…", timeout=2)
+
+    def action_clear_chat(self) -> None:
+        """Forget the conversation (the engine keeps its caches and meters)."""
+        self._stop_event.set()
+        self.query_one(ChatPane).clear()
+        if self.engine is not None:
+            self.engine.reset()
+
+    def action_toggle_raw(self) -> None:
+        chat = self.query_one(ChatPane)
+        chat.raw_mode = not chat.raw_mode
+        self.notify("raw completion mode" if chat.raw_mode else "chat mode (chat template)", timeout=2)
+
+    # -- knobs ---------------------------------------------------------------
+
+    def set_engine_knob(self, name: str, value: object) -> None:
+        """Hand one knob to the engine; it applies from the next token."""
+        if self.engine is None:
+            return
+        try:
+            self.engine.knobs.set(name, value)
+        except KnobError as exc:
+            self.notify(one_line(exc), title="Knob", severity="warning")
+            self.query_one(KnobsPanel).show(self.engine.knobs.snapshot())
+
+    def set_cache_slots(self, slots: int) -> None:
+        if self.engine is None:
+            return
+        try:
+            self.engine.set_cache_slots(int(slots))
+        except (TierlabError, ValueError) as exc:
+            self.notify(one_line(exc), title="RAM cache", severity="warning")
+            return
+        if self.watch is not None:
+            self.watch.mark(f"cache={int(slots)}")
+        if self.recorder is not None:
+            self.recorder.note_setting("cache_slots", int(slots), self.watch.tokens_seen if self.watch else 0)
+        self._update_subtitle()
+
+    def on_knob_changed(self, event: Knob.Changed) -> None:
+        if event.knob_name in SPEC_BY_NAME:
+            self.set_engine_knob(event.knob_name, event.value)
+        elif event.knob_name == CACHE_SLOTS:
+            self.set_cache_slots(int(event.value))
+
+    def on_knob_switch_changed(self, event: KnobSwitch.Changed) -> None:
+        if event.knob_name == "ROUTE_AGREE":
+            self.set_engine_knob("ROUTE_AGREE", "1" if event.value else "auto")
+        elif event.knob_name in SPEC_BY_NAME:
+            self.set_engine_knob(event.knob_name, event.value)
+
+    def on_knob_select_changed(self, event: KnobSelect.Changed) -> None:
+        if event.knob_name in SPEC_BY_NAME:
+            self.set_engine_knob(event.knob_name, event.value)
+
+    @on(Button.Pressed, "#reset-knobs")
+    def action_reset_knobs(self) -> None:
+        """Every routing knob back to its default, and the RAM cache to its starting size."""
+        if self.engine is None:
+            return
+        changes = self.engine.knobs.reset()
+        if self._cache_slots_of(self.engine) != self._initial_slots:
+            self.set_cache_slots(self._initial_slots)
+        self.query_one(KnobsPanel).show(self.engine.knobs.snapshot(), self._initial_slots)
+        names = ", ".join(f"{c.name}={format_knob_value(c.new)}" for c in changes) or "nothing to reset"
+        self.notify(names, title="Knobs reset", timeout=3)
+
+    # -- screens and files ---------------------------------------------------
+
+    def action_help(self) -> None:
+        from tierlab.app.help_screen import HelpScreen
+
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_heat_inspector(self) -> None:
+        from tierlab.app.heat_screen import HeatInspector
+
+        if not isinstance(self.screen, HeatInspector):
+            self.push_screen(HeatInspector(initial=self.heat_path))
+
+    def action_sessions(self) -> None:
+        from tierlab.app.sessions_screen import SessionsScreen
+
+        if not isinstance(self.screen, SessionsScreen):
+            self.push_screen(SessionsScreen())
+
+    def action_save_heat(self, path: str | Path | None = None) -> Path | None:
+        """Write this session's routing counts as a heat profile (seed format)."""
+        from tierlab.app.files import save_session_heat
+
+        if self.engine is None:
+            self.notify("no model loaded", severity="error")
+            return None
+        try:
+            written = save_session_heat(self.engine, path, self.sessions_dir)
+        except (TierlabError, OSError) as exc:
+            self.notify(one_line(exc), title="Save heat", severity="error")
+            return None
+        self.notify(str(written), title="Heat profile saved", timeout=4)
+        return written
+
+    def action_toggle_recording(self) -> None:
+        """Start or stop writing a session log of every token and knob change."""
+        from tierlab.app.recording import start_recording
+
+        if self.engine is None or self.watch is None:
+            self.notify("no model loaded", severity="error")
+            return
+        if self.recorder is not None:
+            recorder, self.recorder = self.recorder, None
+            try:
+                path = recorder.stop()
+            except (TierlabError, OSError) as exc:
+                self.notify(one_line(exc), title="Recording", severity="error")
+            else:
+                self.notify(str(path), title="Session log saved", timeout=4)
+        else:
+            try:
+                self.recorder = start_recording(self.engine, self.watch, self.sessions_dir)
+            except (TierlabError, OSError) as exc:
+                self.notify(one_line(exc), title="Recording", severity="error")
+                return
+            self.notify(str(self.recorder.path), title="Recording", timeout=3)
+        self._update_subtitle()
+
+    # -- command palette -------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Help: keys and panes", "Show every key binding", self.action_help)
+        yield SystemCommand("Stop generation", "Stop the reply after the current token", self.action_stop)
+        yield SystemCommand("Clear conversation", "Forget the chat and the sequence state", self.action_clear_chat)
+        yield SystemCommand("Toggle chat / raw completion", "Chat template or plain text completion", self.action_toggle_raw)
+        yield SystemCommand("Toggle recording", "Start or stop a session log", self.action_toggle_recording)
+        yield SystemCommand("Reset knobs to defaults", "All routing knobs and the RAM cache size", self.action_reset_knobs)
+        yield SystemCommand("Heat profile inspector", "Open, compare and save heat profiles", self.action_heat_inspector)
+        yield SystemCommand("Sessions and A/B", "Recorded session logs and A/B tables", self.action_sessions)
+        yield SystemCommand("Save session heat", "Write this session's routing counts", self.action_save_heat)
+        yield SystemCommand("Heatmap: next view", "Residency, heat, this token, swaps", self._cycle_heatmap_mode)
+        yield SystemCommand("Heatmap: fold / scroll", "How experts beyond the width are shown", self._cycle_heatmap_fold)
+        for name in ("heatmap", "knobs", "prompt"):
+            yield SystemCommand(f"Focus {name}", f"Move the keyboard focus to the {name}", lambda n=name: self.action_focus(n))
+
+    def _cycle_heatmap_mode(self) -> None:
+        self.query_one(ExpertHeatmap).action_cycle_mode()
+
+    def _cycle_heatmap_fold(self) -> None:
+        self.query_one(ExpertHeatmap).action_cycle_fold()
+
+    def action_focus(self, widget_id: str) -> None:
+        target = self.query_one(f"#{widget_id}")
+        if widget_id == "knobs":
+            knobs = list(target.query("Switch, Select, Knob"))
+            if knobs:
+                knobs[0].focus()
+            return
+        target.focus()
+
+    # -- shutdown -----------------------------------------------------------------
+
+    def on_unmount(self) -> None:
+        self._stop_event.set()
+        if self.recorder is not None:
+            try:
+                self.recorder.stop()
+            except Exception:
+                pass
+            self.recorder = None
+        if self.watch is not None:
+            self.watch.close()

@@ -1,0 +1,388 @@
+"""The terminal app on a real engine: a tiny random Qwen3-MoE built here, byte-level tokenizer, ChatML template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TINY = dict(vocab=260, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, experts=16, top_k=4, inter=32)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """Write a deterministic tiny Qwen3-MoE (config, safetensors, tokenizer) into `folder`."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    t = TINY
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, scale=0.08):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    H, I, E, hd = t["hidden"], t["inter"], t["experts"], t["head_dim"]
+    tensors = {
+        "model.embed_tokens.weight": w(t["vocab"], H, scale=0.5),
+        "model.norm.weight": np.ones(H, np.float32),
+        "lm_head.weight": w(t["vocab"], H, scale=0.3),
+    }
+    for layer in range(t["layers"]):
+        p = f"model.layers.{layer}."
+        tensors[p + "input_layernorm.weight"] = np.ones(H, np.float32)
+        tensors[p + "post_attention_layernorm.weight"] = np.ones(H, np.float32)
+        tensors[p + "self_attn.q_proj.weight"] = w(t["heads"] * hd, H)
+        tensors[p + "self_attn.k_proj.weight"] = w(t["kv_heads"] * hd, H)
+        tensors[p + "self_attn.v_proj.weight"] = w(t["kv_heads"] * hd, H)
+        tensors[p + "self_attn.o_proj.weight"] = w(H, t["heads"] * hd)
+        tensors[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
+        tensors[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)
+        tensors[p + "mlp.gate.weight"] = w(E, H, scale=0.6)
+        for e in range(E):
+            tensors[p + f"mlp.experts.{e}.gate_proj.weight"] = w(I, H)
+            tensors[p + f"mlp.experts.{e}.up_proj.weight"] = w(I, H)
+            tensors[p + f"mlp.experts.{e}.down_proj.weight"] = w(H, I)
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": t["vocab"],
+        "hidden_size": H, "intermediate_size": 96, "num_hidden_layers": t["layers"],
+        "num_attention_heads": t["heads"], "num_key_value_heads": t["kv_heads"], "head_dim": hd,
+        "moe_intermediate_size": I, "num_experts": E, "num_experts_per_tok": t["top_k"], "norm_topk_prob": True,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 512,
+        "bos_token_id": 256, "eos_token_id": 258,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
+    return folder
+
+
+# -- the app ---------------------------------------------------------------------
+
+import time  # noqa: E402
+
+from textual.widgets import DataTable, Input, Select, Switch  # noqa: E402
+
+from tierlab.app.chat import ChatMessage, ChatPane  # noqa: E402
+from tierlab.app.heat_screen import HeatInspector, ProfilePane  # noqa: E402
+from tierlab.app.help_screen import HelpScreen  # noqa: E402
+from tierlab.app.knob_panel import CACHE_SLOTS, knob_id  # noqa: E402
+from tierlab.app.sessions_screen import SessionsScreen  # noqa: E402
+from tierlab.app.tui import TierlabApp  # noqa: E402
+from tierlab.engine.heat import HeatProfile  # noqa: E402
+from tierlab.engine.sessionlog import read_session_log  # noqa: E402
+from tierlab.widgets.heatmap import ExpertHeatmap  # noqa: E402
+from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-moe")
+
+
+@pytest.fixture
+def make_app(tiny_model, tmp_path):
+    def make(**options) -> TierlabApp:
+        options.setdefault("cache_slots", 6)
+        options.setdefault("sessions_dir", tmp_path / "sessions")
+        app = TierlabApp(options.pop("model_dir", tiny_model), **options)
+        app.notes = []  # type: ignore[attr-defined]
+        original = app.notify
+
+        def notify(message, *args, **kwargs):
+            app.notes.append((str(message), kwargs.get("severity", "information")))  # type: ignore[attr-defined]
+            return original(message, *args, **kwargs)
+
+        app.notify = notify  # type: ignore[method-assign]
+        return app
+
+    return make
+
+
+async def wait_for(pilot, condition, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await pilot.pause(0.05)
+
+
+async def ready(pilot) -> TierlabApp:
+    app = pilot.app
+    await wait_for(pilot, lambda: app.engine is not None or app.sub_title == "no model")
+    assert app.engine is not None, app.notes
+    return app
+
+
+async def ask(pilot, text: str, max_tokens: int = 3) -> ChatMessage:
+    """Send a prompt with a small token budget and wait for the whole reply."""
+    app = pilot.app
+    app.query_one("#max-tokens", Knob).value = max_tokens
+    before = app.replies
+    prompt = app.query_one("#prompt", Input)
+    prompt.focus()
+    prompt.value = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.replies > before)
+    await pilot.pause()
+    return list(app.query(ChatMessage))[-1]
+
+
+async def test_prompt_streams_tokens_into_the_chat(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        partial: list[str] = []
+        show = app._show_partial
+        app._show_partial = lambda reply, text: (partial.append(text), show(reply, text))  # type: ignore[method-assign]
+        reply = await ask(pilot, "hi", max_tokens=4)
+        assert reply.role == "assistant"
+        chat = app.query_one(ChatPane)
+        assert [m["role"] for m in chat.messages] == ["user", "assistant"]
+        assert chat.messages[1]["content"] == reply.text
+        assert partial, "no text arrived while the reply was being generated"
+        prompt_ids = app.engine.tokenizer.encode(app.engine.tokenizer.render_chat([{"role": "user", "content": "hi"}]))
+        # the prompt's tokens, then one decode step per new token (the last one's step is optional)
+        assert len(prompt_ids) + 3 <= app.watch.tokens_seen <= len(prompt_ids) + 4
+        assert app.watch.history.latest["ram_hit"] > 0
+        # raw mode completes plain text and keeps it out of the chat messages
+        await pilot.press("ctrl+t")
+        assert chat.raw_mode
+        raw = await ask(pilot, "abc", max_tokens=2)
+        assert raw.role == "raw"
+        assert len(chat.messages) == 2
+        # clear conversation
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        assert not list(app.query(ChatMessage)) and chat.messages == []
+
+
+async def test_stop_key_ends_a_reply_early(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        app.query_one("#max-tokens", Knob).value = 200
+        prompt = app.query_one("#prompt", Input)
+        prompt.value = "stop me"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.generating and app.watch.tokens_seen > 0)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating, timeout=30)
+        reply = list(app.query(ChatMessage))[-1]
+        assert reply.text.endswith("⏹")
+        assert app.watch.tokens_seen < 150
+
+
+async def test_each_knob_reaches_the_engine_and_is_logged(make_app):
+    app = make_app()
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        knobs = app.engine.knobs
+        await pilot.press("ctrl+r")
+        assert app.recorder is not None
+        # switches by mouse
+        await pilot.click(f"#{knob_id('CACHE_ROUTE')} Switch")
+        await pilot.click(f"#{knob_id('ROUTE_AGREE')} Switch")
+        await pilot.pause()
+        assert knobs.get("CACHE_ROUTE") is True
+        assert knobs.get("ROUTE_AGREE") == "1"
+        # the select
+        app.query_one(f"#{knob_id('ROUTE_MODE')} Select", Select).value = "prior"
+        await pilot.pause()
+        assert knobs.get("ROUTE_MODE") == "prior"
+        # numeric knobs by keys
+        expected = {"ROUTE_J": 1, "ROUTE_M": 13, "ROUTE_P": 0.01, "ROUTE_ALPHA": 0.99, "ROUTE_LAMBDA": 0.21, "PILOT": 1}
+        for name, value in expected.items():
+            app.query_one(f"#{knob_id(name)}", Knob).focus()
+            key = "left" if value < knobs.get(name) else "right"
+            await pilot.press(key)
+            assert knobs.get(name) == pytest.approx(value), name
+        app.query_one(f"#{knob_id(CACHE_SLOTS)}", Knob).focus()
+        await pilot.press("left")
+        assert app.engine.cache.slots == 5
+        labels = [mark.label for mark in app.watch.history.marks]
+        for name in ["CACHE_ROUTE", "ROUTE_AGREE", "ROUTE_MODE", *expected]:
+            assert any(label.startswith(name + "=") for label in labels), name
+        assert "cache=5" in labels
+        await ask(pilot, "go", max_tokens=2)
+        path = app.recorder.path
+        await pilot.press("ctrl+r")
+        assert app.recorder is None
+        log = read_session_log(path)
+        logged = [c["name"] for c in log.knob_changes]
+        for name in ["CACHE_ROUTE", "ROUTE_AGREE", "ROUTE_MODE", *expected, "cache_slots"]:
+            assert name in logged, name
+        assert all(c["at_token"] == 0 for c in log.knob_changes)  # all made before the first token
+        assert log.tokens and log.summary is not None
+        # reset to defaults puts every knob back and shows it
+        await pilot.click("#reset-knobs")
+        await pilot.pause()
+        assert knobs.snapshot().changed_from_default() == {}
+        assert app.engine.cache.slots == 6
+        assert app.query_one(f"#{knob_id('ROUTE_J')}", Knob).value == 2
+        assert app.query_one(f"#{knob_id('CACHE_ROUTE')} Switch", Switch).value is False
+
+
+async def test_heatmap_cells_follow_the_engine_residency(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await ask(pilot, "x", max_tokens=2)
+        app.refresh_views(force=True)
+        heatmap = app.query_one(ExpertHeatmap)
+        levels = np.stack([app.engine.residency(layer) for layer in range(app.engine.config.n_layers)])
+        np.testing.assert_array_equal(heatmap.data.levels, levels)
+        assert (levels == 1).sum(axis=1).tolist() == [6] * app.engine.config.n_layers
+        assert heatmap.data.chosen.sum(axis=1).tolist() == [4] * app.engine.config.n_layers
+        np.testing.assert_array_equal(heatmap.data.heat, app.engine.heat)
+        assert heatmap.data.last_use.max() == app.watch.tokens_seen - 1
+        # the cursor's info line tells the cell's level
+        heatmap.focus()
+        expert = int(np.flatnonzero(levels[0] == 1)[0])
+        heatmap.cursor = (0, expert)
+        assert "RAM cache" in heatmap.info_text()
+
+
+async def test_ab_screen_builds_a_table_from_two_logs(make_app, tmp_path):
+    app = make_app()
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+r")
+        await ask(pilot, "a", max_tokens=2)
+        await pilot.press("ctrl+r")
+        app.engine.knobs.set("CACHE_ROUTE", True)
+        app.engine.knobs.set("ROUTE_J", 1)
+        time.sleep(1.1)  # log names carry the second
+        await pilot.press("ctrl+r")
+        await ask(pilot, "a", max_tokens=2)
+        await pilot.press("ctrl+r")
+        await pilot.press("f3")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, SessionsScreen)
+        assert len(screen.logs) == 2
+        table = screen.query_one("#sessions-list", DataTable)
+        table.move_cursor(row=1)
+        await pilot.press("a")
+        table.move_cursor(row=0)
+        await pilot.press("b")
+        await pilot.pause()
+        ab = screen.query_one("#ab-table", DataTable)
+        assert ab.row_count == 2
+        first = [str(c) for c in ab.get_row_at(0)]
+        second = [str(c) for c in ab.get_row_at(1)]
+        assert first[0].startswith("A: lever off")
+        assert "CACHE_ROUTE=1" in second[0] and "ROUTE_J=1" in second[0]
+        await pilot.press("e")
+        exported = sorted((tmp_path / "sessions").glob("ab-*.md"))
+        assert exported and "| row |" in exported[0].read_text()
+        await pilot.press("escape")
+        assert not isinstance(app.screen, SessionsScreen)
+
+
+async def test_heat_inspector_loads_compares_and_rejects(make_app, tmp_path):
+    good = tmp_path / "a.heat"
+    other = tmp_path / "b.heat"
+    counts = np.arange(6 * 16, dtype=np.int64).reshape(6, 16)
+    HeatProfile(6, 16, counts).write(good)
+    HeatProfile(6, 16, counts[:, ::-1].copy()).write(other)
+    bad = tmp_path / "bad.heat"
+    bad.write_bytes(b"not a heat profile at all")
+    app = make_app()
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        await pilot.press("f2")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, HeatInspector)
+        screen.query_one("#heat-path-a", Input).value = str(good)
+        screen.query_one("#heat-path-a", Input).focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        pane = screen.query_one("#pane-a", ProfilePane)
+        assert pane.profile is not None and pane.profile.counts.sum() == counts.sum()
+        assert screen.query_one("#stats-a", DataTable).row_count == 6
+        np.testing.assert_array_equal(screen.query_one("#heat-map-a", ExpertHeatmap).data.heat, counts)
+        # compare with B
+        screen.query_one("#heat-path-b", Input).value = str(other)
+        await pilot.click("#heat-load")
+        await pilot.pause()
+        assert screen.has_class("-compare")
+        assert screen.query_one("#stats-b", DataTable).row_count == 6
+        # a malformed file: a notification, the loaded profile stays
+        screen.query_one("#heat-path-a", Input).value = str(bad)
+        await pilot.click("#heat-load")
+        await pilot.pause()
+        assert any("not a heat profile" in text and severity == "error" for text, severity in app.notes)
+        assert pane.profile.counts.sum() == counts.sum()
+        # save this session's heat from the screen
+        target = tmp_path / "session.heat"
+        screen.query_one("#heat-save-path", Input).value = str(target)
+        await pilot.click("#heat-save")
+        await pilot.pause()
+        assert HeatProfile.read(target).counts.shape == (6, 16)
+
+
+async def test_help_lists_every_binding(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        rows = app.screen.rows()
+        actions = {row[1] for row in rows}
+        for binding in app.BINDINGS:
+            assert binding.description in actions
+        assert {"View mode", "Big step up", "Set A", "Save session heat"} <= actions
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_command_palette_offers_every_action(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        titles = {command.title for command in app.get_system_commands(app.screen)}
+        for title in ("Toggle recording", "Heat profile inspector", "Sessions and A/B", "Stop generation",
+                      "Clear conversation", "Reset knobs to defaults", "Help: keys and panes", "Theme"):
+            assert any(t.startswith(title) for t in titles), title
+
+
+async def test_bad_model_folder_is_a_notification_not_a_crash(make_app, tmp_path):
+    app = make_app(model_dir=tmp_path / "no-such-model")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.sub_title == "no model")
+        assert any(severity == "error" and "not a folder" in text for text, severity in app.notes)
+        app.query_one("#prompt", Input).value = "hello"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert any(text == "no model loaded" for text, _ in app.notes)
+        await pilot.press("ctrl+r", "f2")
+        await pilot.pause()
+        assert isinstance(app.screen, HeatInspector)
+
+
+async def test_engine_error_during_generation_is_a_notification(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("tier failed: device lost")
+            yield  # pragma: no cover
+
+        app.engine.generate = broken
+        reply = await ask(pilot, "hi")
+        assert reply.text == ""
+        assert any("device lost" in text and severity == "error" for text, severity in app.notes)
+        assert not app.generating
