@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -107,6 +108,8 @@ class OpenCLTier:
         self._pools: list[object] = []
         self._free: list[int] = list(range(self.capacity))  # a heap: lowest slot first keeps pools dense
         self._slot_of: dict[tuple[int, int], int] = {}
+        self._masks: dict[int, np.ndarray] = {}  # layer -> bool per expert id: resident_mask is called per token
+        self._lock = threading.RLock()  # uploads may come from a loader thread while the engine enqueues
         self._scratch: list[_Scratch | None] = [None] * SCRATCH_RING
         self._next_scratch = 0
         self.failed: str | None = None
@@ -155,7 +158,7 @@ class OpenCLTier:
         budget_bytes, clamp_note = resolve_budget(budget, int(dev.global_mem_size), choice.is_cpu)
         if clamp_note:
             notice(f"GPU tier: {clamp_note}")
-        if budget_bytes < layout.nbytes:
+        if budget_bytes < -(-layout.nbytes // SLOT_ALIGN) * SLOT_ALIGN:
             notice(f"GPU tier off: a budget of {budget_bytes / GiB:.3f} GiB holds no {kind} expert "
                    f"({layout.nbytes / 2**20:.2f} MiB)")
             return None
@@ -184,10 +187,20 @@ class OpenCLTier:
 
     def resident_mask(self, layer: int, n_experts: int) -> np.ndarray:
         mask = np.zeros(n_experts, dtype=bool)
-        for (lay, exp) in self._slot_of:
-            if lay == layer and 0 <= exp < n_experts:
-                mask[exp] = True
+        held = self._masks.get(layer)
+        if held is not None:
+            n = min(n_experts, held.size)
+            mask[:n] = held[:n]
         return mask
+
+    def _set_mask(self, layer: int, expert: int, value: bool) -> None:
+        held = self._masks.get(layer)
+        if held is None or held.size <= expert:
+            grown = np.zeros(max(expert + 1, 2 * (0 if held is None else held.size)), dtype=bool)
+            if held is not None:
+                grown[: held.size] = held
+            self._masks[layer] = held = grown
+        held[expert] = value
 
     def residents(self) -> list[tuple[int, int]]:
         return sorted(self._slot_of)
@@ -198,6 +211,10 @@ class OpenCLTier:
 
     def upload(self, layer: int, expert: int, blob: np.ndarray) -> bool:
         """Copy one blob into a slot. False (one notice) when full, out of device memory or failed."""
+        with self._lock:
+            return self._upload(layer, expert, blob)
+
+    def _upload(self, layer: int, expert: int, blob: np.ndarray) -> bool:
         if self.failed:
             return False
         data = np.ascontiguousarray(blob).view(np.uint8).reshape(-1)
@@ -227,6 +244,7 @@ class OpenCLTier:
                 self._disable(f"upload failed ({_first_line(exc)})")
             return False
         self._slot_of[key] = slot
+        self._set_mask(layer, expert, True)
         self.stats.uploads += 1
         self.stats.bytes += data.size
         self.stats.residents = len(self._slot_of)
@@ -234,12 +252,14 @@ class OpenCLTier:
 
     def evict(self, layer: int, expert: int) -> bool:
         """Free the expert's slot for another upload; False when it was not resident."""
-        slot = self._slot_of.pop((layer, expert), None)
-        if slot is None:
-            return False
-        heapq.heappush(self._free, slot)
-        self.stats.residents = len(self._slot_of)
-        return True
+        with self._lock:
+            slot = self._slot_of.pop((layer, expert), None)
+            if slot is None:
+                return False
+            heapq.heappush(self._free, slot)
+            self._set_mask(layer, expert, False)
+            self.stats.residents = len(self._slot_of)
+            return True
 
     # --- compute ----------------------------------------------------------
 
@@ -249,6 +269,10 @@ class OpenCLTier:
         Raises TierFailure when the tier is (or just became) disabled, ValueError for an
         expert that is not resident. At most SCRATCH_RING handles may be uncollected.
         """
+        with self._lock:
+            return self._enqueue(layer, experts, x)
+
+    def _enqueue(self, layer: int, experts: list[int], x: np.ndarray) -> TierHandle:
         if self.failed:
             raise TierFailure(f"GPU tier is off: {self.failed}")
         experts = [int(e) for e in experts]
@@ -314,6 +338,10 @@ class OpenCLTier:
 
     def close(self) -> None:
         """Release device memory; the tier holds nothing afterwards."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         try:
             self._queue.finish()
         except Exception:
@@ -327,6 +355,7 @@ class OpenCLTier:
         self._pools = []
         self._scratch = [None] * SCRATCH_RING
         self._slot_of.clear()
+        self._masks.clear()
         self._free = []
         self.capacity = 0
         self.stats.residents = 0
@@ -402,6 +431,7 @@ class OpenCLTier:
             return
         self.failed = reason
         self._slot_of.clear()
+        self._masks.clear()
         self._free = []
         self.stats.residents = 0
         self._notice_once("failed", f"GPU tier off on {self.device_label}: {reason}; experts run on the CPU")
