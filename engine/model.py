@@ -30,10 +30,11 @@ from tierlab.engine.kernels.dense import linear, rmsnorm
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.models import ARCHITECTURES
 from tierlab.engine.moe import DenseBlock, MoEBlock
+from tierlab.engine.prefetch import Pilot, pin_hot
 from tierlab.engine.sampling import Sampler
 
 CONTAINER_MANIFEST = "tierlab_container.json"
-TIMER_NAMES = ("attention", "deltanet", "router", "fetch", "compute", "shared", "tier", "lm_head", "other")
+TIMER_NAMES = ("attention", "deltanet", "router", "fetch", "compute", "shared", "tier", "pilot", "lm_head", "other")
 
 
 class Layer:
@@ -78,6 +79,8 @@ class Engine:
         self._listeners: list[Callable[[TokenEvent], None]] = []
         self._lock = threading.RLock()
         self.notices: list[str] = []
+        self.pilot: Pilot | None = None
+        self._hot_pinned = False
         self.reset()
 
     # -- public state ------------------------------------------------------------
@@ -118,6 +121,8 @@ class Engine:
         self.vram_served = 0
         if self.router is not None:
             self.router.reset_meters()
+        if self.pilot is not None:
+            self.pilot.reset_meters()
 
     # -- the forward pass -------------------------------------------------------
     def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False, phase: str | None = None) -> np.ndarray:
@@ -144,6 +149,10 @@ class Engine:
             h = rmsnorm(x, layer.input_norm, cfg.rms_eps, zc)
             x += layer.mixer.forward(h, self.pos, state)
             timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0
+            if ctx.knobs.PILOT:
+                t0 = time.perf_counter()
+                self._pilot().after_mixer(layer.index, x, ctx.knobs)
+                timers["pilot"] += time.perf_counter() - t0
             h = rmsnorm(x, layer.post_norm, cfg.rms_eps, zc)
             out, routes = layer.mlp.forward(h, ctx)
             x += out
@@ -165,7 +174,16 @@ class Engine:
         start = self.pos
         self.pos += T
         self._publish(ids, start, phase, routes_by_layer, timers, T)
+        knobs = ctx.knobs
+        if knobs.HOT and not self._hot_pinned and self.pos >= knobs.WARMUP:
+            pin_hot(self, knobs.HOT)
+            self._hot_pinned = True
         return logits
+
+    def _pilot(self):
+        if self.pilot is None:
+            self.pilot = Pilot(self)
+        return self.pilot
 
     def _publish(self, ids, start, phase, routes_by_layer, timers, T) -> None:
         if not self._listeners:
@@ -231,6 +249,12 @@ class Engine:
             from tierlab.engine.routing import meters_json
 
             out.update(meters_json(self.router.meters))
+        if self.pilot is not None:
+            pm = self.pilot.meters()
+            out.update(pm)
+            total = out["ram_hits"] + out["ram_misses"]
+            without = out["ram_hits"] - self.pilot.prefetch_hits
+            out["ram_hit_without_prefetch"] = 100.0 * max(without, 0) / total if total else 0.0
         return out
 
     def oracle_hit(self) -> float:
@@ -243,6 +267,8 @@ class Engine:
         return 100.0 * belady_hit_rate(layers, self.cache.slots)
 
     def close(self) -> None:
+        if self.pilot is not None:
+            self.pilot.close()
         self.cache.source.close()
         if self.tier is not None:
             self.tier.close()
@@ -263,8 +289,10 @@ class _PassContext:
     def residency(self, layer: int) -> np.ndarray:
         return self.engine.residency(layer)
 
-    def after_route(self, layer: int, route) -> None:
+    def after_route(self, layer: int, route, logits: np.ndarray) -> None:
         engine = self.engine
+        if engine.pilot is not None:
+            engine.pilot.observe(layer, logits, route.chosen, route.ram_hits, self.knobs)
         chosen = route.chosen[route.chosen >= 0]
         engine.heat[layer, chosen] += 1
         engine.requests[layer].append(chosen.astype(np.int16))

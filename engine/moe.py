@@ -107,7 +107,7 @@ class MoEBlock:
             timers["router"] += time.perf_counter() - t1
             self._experts(x[t], route, out[t], ctx)
             routes.append(route)
-            ctx.after_route(self.layer, route)
+            ctx.after_route(self.layer, route, logits_all[t])
         if self.shared is not None:
             t2 = time.perf_counter()
             shared = self.shared.forward(x)

@@ -1,0 +1,74 @@
+"""PILOT prefetch and HOT pins move bytes, never results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierlab.engine.knobs import Knobs
+from tierlab.engine.model import load_engine
+from tierlab.engine.prefetch import Pilot
+
+PROMPT = [int(i) for i in np.random.default_rng(5).integers(2, 250, 10)]
+N = 20
+
+
+def run(folder, cache, **knobs):
+    engine = load_engine(folder, cache_slots=cache, knobs=Knobs.from_env({}, **knobs))
+    logits = [engine.prefill(PROMPT)]
+    for _ in range(N):
+        if engine.pilot is not None:
+            engine.pilot.loader.drain()
+        logits.append(engine.step(int(np.argmax(logits[-1]))))
+    return engine, np.stack(logits)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_moe"])
+def test_pilot_and_pins_never_change_logits(oracle_models, name):
+    folder = oracle_models[name][1]
+    _, base = run(folder, 3)
+    for knobs in ({"PILOT": "1"}, {"PILOT": "3", "WIDE": "2"}, {"HOT": "2", "WARMUP": "3"},
+                  {"PILOT": "2", "HOT": "1", "ROUTE_AGREE": "1"}):
+        engine, logits = run(folder, 3, **knobs)
+        assert np.array_equal(logits, base), knobs
+        engine.close()
+
+
+def test_pilot_meters_and_hit_rate(oracle_models):
+    folder = oracle_models["qwen3_5_moe"][1]
+    off, _ = run(folder, 3)
+    on, _ = run(folder, 3, PILOT="1")
+    m = on.meters()
+    assert m["prefetch_issued"] > 0
+    assert 0 <= m["prefetch_useful"] <= m["prefetch_issued"]
+    assert m["prefetch_wasted"] == m["prefetch_issued"] - m["prefetch_useful"]
+    assert m["ram_hit"] >= m["ram_hit_without_prefetch"]
+    assert m["prefetch_useful"] > 0
+    # the hits prefetch bought are the difference between the two hit rates
+    assert m["ram_hit"] - m["ram_hit_without_prefetch"] == pytest.approx(
+        100.0 * on.pilot.prefetch_hits / (m["ram_hits"] + m["ram_misses"]))
+    on.close()
+
+
+def test_choose_takes_mass_between_k_and_k_times_wide():
+    knobs = Knobs.from_env({}, CONF_LIMIT="0.85", WIDE="3").snapshot()
+    z = np.log(np.array([0.5, 0.3, 0.1, 0.05, 0.03, 0.02], dtype=np.float32))
+    assert Pilot.choose(z, 2, knobs) == [0, 1, 2]
+    knobs = Knobs.from_env({}, CONF_LIMIT="0.999", WIDE="2").snapshot()
+    assert Pilot.choose(z, 2, knobs) == [0, 1, 2, 3]
+    knobs = Knobs.from_env({}, CONF_LIMIT="0.1", WIDE="2").snapshot()
+    assert Pilot.choose(z, 2, knobs) == [0, 1]
+
+
+def test_hot_pins_survive_eviction(oracle_models):
+    folder = oracle_models["qwen3_5_moe"][1]
+    engine, _ = run(folder, 3, HOT="1", WARMUP="2")
+    assert engine._hot_pinned
+    hot = int(np.argmax(engine.heat[0]))
+    # the pinned expert stays resident while the cache churns through the others
+    cache = engine.cache
+    for e in range(engine.config.n_experts):
+        if e != hot:
+            blob, _ = cache.acquire(0, e)
+            cache.release(0, e)
+    assert cache.is_resident(0, hot) or engine.heat[0, hot] == 0
