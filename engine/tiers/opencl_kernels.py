@@ -28,7 +28,7 @@ typedef __global const uchar* blob_t;
 
 #if KIND == 0
 /* fp32 */
-inline float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x)
+float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x)
 {
     __global const float* w = (__global const float*)(blob + w_off) + (size_t)row * cols;
     float acc = 0.0f;
@@ -36,7 +36,7 @@ inline float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols,
     return acc;
 }
 /* gate and up rows in one loop: two streams per work-item vectorise better on PoCL than two loops */
-inline float2 row_dot2(blob_t blob, uint row, __global const float* x)
+float2 row_dot2(blob_t blob, uint row, __global const float* x)
 {
     __global const float* wg = (__global const float*)(blob + GATE_W) + (size_t)row * HID;
     __global const float* wu = (__global const float*)(blob + UP_W) + (size_t)row * HID;
@@ -44,7 +44,7 @@ inline float2 row_dot2(blob_t blob, uint row, __global const float* x)
     for (uint k = 0; k < HID; k++) { a += wg[k] * x[k]; b += wu[k] * x[k]; }
     return (float2)(a, b);
 }
-inline float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x, uint lid)
+float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x, uint lid)
 {
     __global const float* w = (__global const float*)(blob + w_off) + (size_t)row * cols;
     float acc = 0.0f;
@@ -53,15 +53,15 @@ inline float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols
 }
 #elif KIND == 1
 /* bf16: the 16 bits are the high half of a float32 */
-inline float bf16f(ushort b) { return as_float(((uint)b) << 16); }
-inline float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x)
+float bf16f(ushort b) { return as_float(((uint)b) << 16); }
+float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x)
 {
     __global const ushort* w = (__global const ushort*)(blob + w_off) + (size_t)row * cols;
     float acc = 0.0f;
     for (uint k = 0; k < cols; k++) acc += bf16f(w[k]) * x[k];
     return acc;
 }
-inline float2 row_dot2(blob_t blob, uint row, __global const float* x)
+float2 row_dot2(blob_t blob, uint row, __global const float* x)
 {
     __global const ushort* wg = (__global const ushort*)(blob + GATE_W) + (size_t)row * HID;
     __global const ushort* wu = (__global const ushort*)(blob + UP_W) + (size_t)row * HID;
@@ -69,7 +69,7 @@ inline float2 row_dot2(blob_t blob, uint row, __global const float* x)
     for (uint k = 0; k < HID; k++) { a += bf16f(wg[k]) * x[k]; b += bf16f(wu[k]) * x[k]; }
     return (float2)(a, b);
 }
-inline float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x, uint lid)
+float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x, uint lid)
 {
     __global const ushort* w = (__global const ushort*)(blob + w_off) + (size_t)row * cols;
     float acc = 0.0f;
@@ -78,7 +78,7 @@ inline float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols
 }
 #elif KIND == 2
 /* int8, one float32 scale per 64 columns */
-inline float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x)
+float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x)
 {
     __global const char* w = (__global const char*)(blob + w_off) + (size_t)row * cols;
     __global const float* s = (__global const float*)(blob + s_off) + (size_t)row * (cols / GROUP);
@@ -90,7 +90,7 @@ inline float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols,
     }
     return acc;
 }
-inline float2 row_dot2(blob_t blob, uint row, __global const float* x)
+float2 row_dot2(blob_t blob, uint row, __global const float* x)
 {
     __global const char* wg = (__global const char*)(blob + GATE_W) + (size_t)row * HID;
     __global const char* wu = (__global const char*)(blob + UP_W) + (size_t)row * HID;
@@ -109,7 +109,7 @@ inline float2 row_dot2(blob_t blob, uint row, __global const float* x)
     }
     return (float2)(a, b);
 }
-inline float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x, uint lid)
+float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x, uint lid)
 {
     __global const char* w = (__global const char*)(blob + w_off) + (size_t)row * cols;
     __global const float* s = (__global const float*)(blob + s_off) + (size_t)row * (cols / GROUP);
@@ -119,7 +119,7 @@ inline float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols
 }
 #else
 /* int4 planar: per 64-column group 32 bytes, low nibble = column j, high = column j+32 */
-inline float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x)
+float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x)
 {
     __global const uchar* w = blob + w_off + (size_t)row * (cols / 2);
     __global const float* s = (__global const float*)(blob + s_off) + (size_t)row * (cols / GROUP);
@@ -136,7 +136,7 @@ inline float row_dot(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols,
     }
     return acc;
 }
-inline float2 row_dot2(blob_t blob, uint row, __global const float* x)
+float2 row_dot2(blob_t blob, uint row, __global const float* x)
 {
     __global const uchar* wg = blob + GATE_W + (size_t)row * (HID / 2);
     __global const uchar* wu = blob + UP_W + (size_t)row * (HID / 2);
@@ -157,7 +157,7 @@ inline float2 row_dot2(blob_t blob, uint row, __global const float* x)
     }
     return (float2)(a, b);
 }
-inline float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x, uint lid)
+float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols, __global const float* x, uint lid)
 {
     __global const uchar* w = blob + w_off + (size_t)row * (cols / 2);
     __global const float* s = (__global const float*)(blob + s_off) + (size_t)row * (cols / GROUP);
@@ -172,7 +172,7 @@ inline float row_part(blob_t blob, ulong w_off, ulong s_off, uint row, uint cols
 }
 #endif
 
-inline float silu_mul(float g, float u) { return g / (1.0f + exp(-g)) * u; }
+float silu_mul(float g, float u) { return g / (1.0f + exp(-g)) * u; }
 
 #if WG == 0
 __kernel void gate_up(__global const uchar* pool, __global const ulong* slot_off, uint first,
@@ -194,7 +194,7 @@ __kernel void down(__global const uchar* pool, __global const ulong* slot_off, u
     out[(size_t)e * HID + row] = row_dot(blob, DOWN_W, DOWN_S, row, INTER, h + (size_t)e * INTER);
 }
 #else
-inline float reduce_local(__local float* buf, uint lid)
+float reduce_local(__local float* buf, uint lid)
 {
     for (uint s = WG / 2; s > 0; s >>= 1) {
         barrier(CLK_LOCAL_MEM_FENCE);
