@@ -11,6 +11,16 @@ from tierlab.engine.errors import ModelError
 from tierlab.engine.heat import HeatProfile, diff
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("heat", help="show or compare heat profiles (expert routing counts)")
     sub = parser.add_subparsers(dest="heat_command", metavar="ACTION", required=True)
@@ -18,13 +28,13 @@ def add_parser(subparsers) -> None:
     show = sub.add_parser("show", help="per-layer summary of one profile")
     show.add_argument("file", help="heat profile (.bin)")
     show.add_argument("--model", metavar="DIR", help="check the dims against this model's config.json")
-    show.add_argument("--top", type=int, default=8, metavar="N", help="experts listed per layer (default 8)")
+    show.add_argument("--top", type=_positive_int, default=8, metavar="N", help="experts listed per layer (default 8)")
     show.set_defaults(run=run)
 
     cmp_ = sub.add_parser("diff", help="per-layer comparison of two profiles")
     cmp_.add_argument("a")
     cmp_.add_argument("b")
-    cmp_.add_argument("--top", type=int, default=8, metavar="N", help="size of the top sets compared (default 8)")
+    cmp_.add_argument("--top", type=_positive_int, default=8, metavar="N", help="size of the top sets compared (default 8)")
     cmp_.set_defaults(run=run)
 
 
