@@ -39,6 +39,9 @@ KL_MISSING = 1e-12
 PRIOR_EMA_RATE = 0.1
 
 
+_NO_LOGITS = np.zeros(0, dtype=np.float32)
+
+
 class RoutingWarning(UserWarning):
     """Routing degraded (fewer eligible experts than K): said once per Router."""
 
@@ -177,25 +180,30 @@ def prior_select(logits, probs, mask, level, K: int, J: int, bias: float, alpha:
 
 
 @numba.njit(nogil=True, cache=True)
-def _rank_nb(probs, mask, depth):
-    n_eligible = 0
-    for e in range(probs.shape[0]):
-        if mask[e]:
-            n_eligible += 1
-    ids = np.empty(n_eligible, dtype=np.int32)
-    keys = np.empty(n_eligible, dtype=np.float32)
-    j = 0
-    for e in range(probs.shape[0]):
-        if mask[e]:
-            ids[j] = e
-            keys[j] = -probs[e]
-            j += 1
-    order = np.argsort(keys, kind="mergesort")  # stable: ties keep the lower id first
-    n = min(depth, n_eligible)
-    ranked = np.empty(n, dtype=np.int32)
-    for r in range(n):
-        ranked[r] = ids[order[r]]
-    return ranked
+def _top_nb(keys, eligible, depth):
+    """Eligible ids by falling key, ties to the lower id, at most depth of them.
+
+    Insertion into a short sorted buffer: most experts fail the first
+    comparison, and unlike np.argsort it compiles in a fraction of a second.
+    """
+    buf = np.empty(max(depth, 0), dtype=np.int32)
+    n = 0
+    for e in range(keys.shape[0]):
+        if not eligible[e] or depth <= 0:
+            continue
+        k = keys[e]
+        if n == depth:
+            if not k > keys[buf[n - 1]]:
+                continue
+            pos = n - 1  # e displaces the last one
+        else:
+            pos = n
+            n += 1
+        while pos > 0 and keys[buf[pos - 1]] < k:  # equal keys stay ahead: lower ids came first
+            buf[pos] = buf[pos - 1]
+            pos -= 1
+        buf[pos] = e
+    return buf[:n]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -257,7 +265,7 @@ def _route_core_nb(probs, mask, level, K, J, M, P, alpha):
     by_mass = 0.0 < P < 1.0
     cap = max(M, 4 * K) if by_mass else max(M, K)
     cap = min(cap, probs.shape[0])
-    ranked = _rank_nb(probs, mask, cap)
+    ranked = _top_nb(probs.astype(np.float64), mask, cap)
     n = ranked.shape[0]
     kt = min(K, n)
 
@@ -282,7 +290,7 @@ def _route_core_nb(probs, mask, level, K, J, M, P, alpha):
         chosen[filled] = ranked[r]
         used[r] = True
         filled += 1
-    for wanted_level in (2, 1):
+    for wanted_level in range(2, 0, -1):  # GPU tier first, then RAM
         for r in range(J, win):
             if filled == K:
                 break
@@ -305,44 +313,78 @@ def _route_core_nb(probs, mask, level, K, J, M, P, alpha):
 def _prior_core_nb(logits, probs, mask, level, K, J, bias, alpha):
     """prior_select's loops; same returns as _route_core_nb."""
     J = min(max(J, 0), K)
-    ranked = _rank_nb(probs, mask, probs.shape[0])
-    n = ranked.shape[0]
-    kt = min(K, n)
-    protected = min(J, n)
-    rest = n - protected
-    rest_ids = np.empty(rest, dtype=np.int32)
-    keys = np.empty(rest, dtype=np.float64)
-    # Sort the unprotected by (-score, id): ids ascending first, then a stable sort.
-    j = 0
-    for e in range(probs.shape[0]):
-        if not mask[e]:
-            continue
-        is_protected = False
-        for r in range(protected):
-            if ranked[r] == e:
-                is_protected = True
-                break
-        if is_protected:
-            continue
-        score = np.float64(logits[e])
+    ranked = _top_nb(probs.astype(np.float64), mask, K)  # the true top-K
+    kt = ranked.shape[0]
+    protected = min(J, kt)
+    scores = logits.astype(np.float64)
+    open_ = mask.copy()
+    for r in range(protected):
+        open_[ranked[r]] = False
+    for e in range(scores.shape[0]):
         if level[e] >= 1:
-            score += bias
-        rest_ids[j] = e
-        keys[j] = -score
-        j += 1
-    order = np.argsort(keys, kind="mergesort")
+            scores[e] += bias
+    rest = _top_nb(scores, open_, K - protected)
     chosen = np.empty(K, dtype=np.int32)
     filled = 0
     for r in range(protected):
         chosen[filled] = ranked[r]
         filled += 1
-    for r in range(rest):
-        if filled == K:
-            break
-        chosen[filled] = rest_ids[order[r]]
+    for r in range(rest.shape[0]):
+        chosen[filled] = rest[r]
         filled += 1
     idx, val, swapped, counts, kl = _finish_nb(probs, level, chosen, filled, ranked, kt, K, alpha)
-    return idx, val, swapped, ranked[:kt].copy(), counts, kl
+    return idx, val, swapped, ranked.copy(), counts, kl
+
+
+# Strategies as the Router's numba entry point numbers them.
+_PLAIN, _MAXRANK, _CUMPROB, _PRIOR = 0, 1, 2, 3
+
+
+@numba.njit(nogil=True, cache=True)
+def _update_range_nb(range_ema, layer, logits, mask):
+    """Fold this token's logit range into the layer's EMA; returns the EMA (0 before any)."""
+    lo = np.inf
+    hi = -np.inf
+    for e in range(logits.shape[0]):
+        if mask[e]:
+            lo = min(lo, np.float64(logits[e]))
+            hi = max(hi, np.float64(logits[e]))
+    if hi >= lo:
+        old = range_ema[layer]
+        range_ema[layer] = hi - lo if np.isnan(old) else old + PRIOR_EMA_RATE * (hi - lo - old)
+    return 0.0 if np.isnan(range_ema[layer]) else range_ema[layer]
+
+
+@numba.njit(nogil=True, cache=True)
+def _router_nb(strategy, logits, probs, mask, level, K, J, M, P, alpha, lam, range_ema, layer, norm):
+    """Everything Router.select computes, in one call (no numpy overhead per layer)."""
+    delta = _update_range_nb(range_ema, layer, logits, mask) if logits.shape[0] > 0 else 0.0
+    if strategy == _PRIOR:
+        idx, val, swapped, ranked, counts, kl = _prior_core_nb(logits, probs, mask, level, K, J, lam * delta, alpha)
+    elif strategy == _CUMPROB:
+        idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, J, probs.shape[0], P, alpha)
+    elif strategy == _MAXRANK:
+        idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, J, M, P, alpha)
+    else:
+        idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, K, K, 0.0, 1.0)
+    weights = val.copy()
+    if norm:
+        total = 0.0
+        for s in range(K):
+            total += np.float64(val[s])
+        if total > 0.0:
+            for s in range(K):
+                weights[s] = np.float32(np.float64(val[s]) / total)
+    true_topk = np.full(K, -1, dtype=np.int32)
+    true_weights = np.zeros(K, dtype=np.float32)
+    for r in range(ranked.shape[0]):
+        true_topk[r] = ranked[r]
+        true_weights[r] = probs[ranked[r]]
+    chosen_level = np.zeros(K, dtype=np.int8)
+    for s in range(K):
+        if idx[s] >= 0:
+            chosen_level[s] = level[idx[s]]
+    return idx, weights, true_topk, true_weights, swapped, chosen_level, counts, kl
 
 
 def _stats_from(counts: np.ndarray, kl: float) -> RouteStats:
@@ -453,58 +495,49 @@ class Router:
         """Cache-Prior's Delta for a layer (nan before the layer's first token)."""
         return float(self._range_ema[layer])
 
-    def _update_range(self, layer: int, logits: np.ndarray, mask: np.ndarray) -> float:
-        eligible = logits[mask] if mask is not self._all_eligible else logits
-        if eligible.size == 0:
-            return 0.0 if np.isnan(self._range_ema[layer]) else float(self._range_ema[layer])
-        spread = float(eligible.max()) - float(eligible.min())
-        old = self._range_ema[layer]
-        self._range_ema[layer] = spread if np.isnan(old) else old + PRIOR_EMA_RATE * (spread - old)
-        return float(self._range_ema[layer])
+    def _strategy(self, knobs: KnobValues) -> int:
+        if not knobs.CACHE_ROUTE:
+            return _PLAIN
+        if knobs.ROUTE_MODE == "prior":
+            return _PRIOR
+        if knobs.ROUTE_MODE == "cumprob" and 0.0 < knobs.ROUTE_P < 1.0:
+            return _CUMPROB
+        return _MAXRANK  # maxrank, or cumprob without a usable P
 
     def select(self, layer: int, logits, probs, level, knobs: KnobValues, mask=None) -> RouteResult:
-        probs = np.ascontiguousarray(probs, dtype=np.float32)
-        level = np.ascontiguousarray(level, dtype=np.int8)
-        mask = self._all_eligible if mask is None else np.ascontiguousarray(mask, dtype=np.bool_)
-        K = self.top_k
-        delta = self._update_range(layer, np.asarray(logits, dtype=np.float32), mask) if logits is not None else 0.0
-
-        if not knobs.CACHE_ROUTE:
-            out = _route_core_nb(probs, mask, level, K, K, K, 0.0, 1.0)
-        elif knobs.ROUTE_MODE == "prior":
-            if logits is None:
+        """Route one token through one layer: ``logits`` float32[E] (needed by the
+        prior mode and its range EMA; None otherwise allowed), ``probs`` their
+        softmax, ``level`` int8[E] residency, ``mask`` bool[E] (None = all eligible)."""
+        strategy = self._strategy(knobs)
+        if logits is None:
+            if strategy == _PRIOR:
                 raise ValueError("ROUTE_MODE=prior needs the router logits")
-            out = _prior_core_nb(
-                np.ascontiguousarray(logits, dtype=np.float32), probs, mask, level,
-                K, knobs.ROUTE_J, knobs.ROUTE_LAMBDA * delta, knobs.ROUTE_ALPHA,
-            )
-        elif knobs.ROUTE_MODE == "cumprob" and 0.0 < knobs.ROUTE_P < 1.0:
-            out = _route_core_nb(probs, mask, level, K, knobs.ROUTE_J, self.n_experts, knobs.ROUTE_P, knobs.ROUTE_ALPHA)
-        else:  # maxrank, or cumprob without a usable P
-            out = _route_core_nb(
-                probs, mask, level, K, knobs.ROUTE_J, knobs.ROUTE_M, knobs.ROUTE_P, knobs.ROUTE_ALPHA
-            )
-        idx, val, swapped, true_ranked, counts, kl = out
+            logits = _NO_LOGITS
+        idx, weights, true_topk, true_weights, swapped, chosen_level, counts, kl = _router_nb(
+            strategy,
+            np.ascontiguousarray(logits, dtype=np.float32),
+            np.ascontiguousarray(probs, dtype=np.float32),
+            self._all_eligible if mask is None else np.ascontiguousarray(mask, dtype=np.bool_),
+            np.ascontiguousarray(level, dtype=np.int8),
+            self.top_k,
+            knobs.ROUTE_J,
+            knobs.ROUTE_M,
+            float(knobs.ROUTE_P),
+            float(knobs.ROUTE_ALPHA),
+            float(knobs.ROUTE_LAMBDA),
+            self._range_ema,
+            layer,
+            self.norm_topk_prob,
+        )
         self.meters.add(counts, kl)
-
-        filled = idx >= 0
-        if not filled.all() and not self._warned_short:
+        if counts[0] < self.top_k and not self._warned_short:
             self._warned_short = True
             warnings.warn(
-                f"layer {layer}: only {int(filled.sum())} eligible experts for top-{K}; "
+                f"layer {layer}: only {int(counts[0])} eligible experts for top-{self.top_k}; "
                 "unfilled slots are -1 and skipped (said once)",
                 RoutingWarning,
                 stacklevel=2,
             )
-        weights = val
-        if self.norm_topk_prob:
-            total = float(val.sum(dtype=np.float64))
-            weights = (val / total).astype(np.float32) if total > 0.0 else val
-        true_topk = np.full(K, -1, dtype=np.int32)
-        true_topk[: true_ranked.shape[0]] = true_ranked
-        true_weights = np.zeros(K, dtype=np.float32)
-        true_weights[: true_ranked.shape[0]] = probs[true_ranked]
-        chosen_level = np.where(filled, level[np.where(filled, idx, 0)], 0).astype(np.int8)
         return RouteResult(idx, weights, true_topk, true_weights, swapped, chosen_level)
 
 
