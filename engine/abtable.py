@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from tierlab.engine.belady import CacheReplay, belady_hits
+from tierlab.engine.errors import FormatError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobValues
 from tierlab.engine.routing import KL_GUARD, KL_MISSING
 from tierlab.engine.sessionlog import SessionLog, read_session_log
@@ -195,8 +196,19 @@ def _ids_match(summary: dict[str, Any] | None) -> str | None:
 
 
 def summarise_log(path: str | Path) -> dict[str, Any]:
-    """One table row from one session log (see the module docstring for units)."""
+    """One table row from one session log (see the module docstring for units).
+
+    Raises FormatError (one line) for a file that is not a session log or
+    whose records lack the fields a row needs."""
     log = read_session_log(path)
+    try:
+        return _summarise(log)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FormatError(f"session log records are malformed ({type(exc).__name__}: {exc})", path) from None
+
+
+def _summarise(log: SessionLog) -> dict[str, Any]:
+    path = log.path
     ram_hits = ram_misses = vram = filled = swaps = swaps_vram = agree_hit = agree_tot = 0
     kls: list[float] = []
     kl_complete = True

@@ -168,6 +168,16 @@ def test_non_logs_give_a_one_line_format_error(tmp_path, content, message):
     assert "\n" not in text and str(path) in text
 
 
+def test_records_missing_fields_give_a_format_error_not_a_traceback(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    simulate_run(path, LEVER, n_tokens=3)
+    lines = path.read_text().splitlines()
+    lines[1] = json.dumps({"type": "token", "index": 0, "layers": [{"layer": 0}]})
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(FormatError, match="malformed"):
+        summarise_log(path)
+
+
 def test_missing_file_is_a_format_error(tmp_path):
     with pytest.raises(FormatError, match="cannot read"):
         read_session_log(tmp_path / "nope.jsonl")
