@@ -56,9 +56,7 @@ class ProfilePane(Vertical):
         self.border_title = f"profile {side.upper()}"
 
     def compose(self) -> ComposeResult:
-        heatmap = ExpertHeatmap(id=f"heat-map-{self.side}")
-        heatmap.mode = "heat"
-        yield heatmap
+        yield ExpertHeatmap(profile=True, id=f"heat-map-{self.side}")
         yield DataTable(id=f"stats-{self.side}", zebra_stripes=True, cursor_type="row")
 
     def show(self, profile: HeatProfile, source: str, diffs: list[LayerDiff] | None = None) -> None:

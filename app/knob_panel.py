@@ -79,8 +79,7 @@ class KnobsPanel(VerticalScroll):
         for name in ("ROUTE_J", "ROUTE_M"):
             self.query_one("#" + knob_id(name), Knob).set_range(*self._range(name))
         slots = self.query_one("#" + knob_id(CACHE_SLOTS), Knob)
-        slots.set_range(1, max(1, n_experts))
-        slots.default = float(cache_slots)
+        slots.set_range(1, max(1, n_experts), default=cache_slots)
         slots.set_value_quietly(cache_slots)
 
     def show(self, values: KnobValues, cache_slots: int | None = None) -> None:

@@ -386,3 +386,28 @@ async def test_engine_error_during_generation_is_a_notification(make_app):
         assert reply.text == ""
         assert any("device lost" in text and severity == "error" for text, severity in app.notes)
         assert not app.generating
+
+
+# -- snapshots -------------------------------------------------------------------
+
+FIXED_METERS = {"tok_s": 12.5, "fetch_ms": 1.25, "compute_ms": 40.0, "oracle_hit": 75.0}
+"""Timings and the once-a-second oracle depend on the machine: snapshots show these instead."""
+
+
+async def settle_for_snapshot(pilot) -> None:
+    """A greedy three-token reply, then machine-dependent meters pinned so the picture is reproducible."""
+    app = await ready(pilot)
+    await ask(pilot, "hi", max_tokens=3)
+    with app.watch.lock:
+        history = app.watch.history
+        for key, value in FIXED_METERS.items():
+            history.series[key] = type(history.series[key])([value] * len(history.tokens), maxlen=history.limit)
+            history.latest[key] = value
+    app.refresh_views(force=True)
+    app.query_one(ExpertHeatmap).focus()
+    await pilot.pause(0.3)
+
+
+@pytest.mark.parametrize("size", [(100, 30), (160, 48)], ids=["100x30", "160x48"])
+def test_main_screen_snapshot(snap_compare, make_app, size):
+    assert snap_compare(make_app(), terminal_size=size, run_before=settle_for_snapshot)

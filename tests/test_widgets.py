@@ -200,7 +200,7 @@ async def test_heatmap_draws_two_layers_per_row_with_half_blocks():
         lines = text.plain.split("\n")
         assert lines[0].startswith("exp")
         assert lines[1].startswith("  0 ") and lines[2].startswith("  2 ")
-        assert lines[1][GUTTER:GUTTER + 8] == "▀" * 8
+        assert lines[1][GUTTER:] == "▀" * 8 * heatmap.cell_width
         # the styles of row 0 carry layer 0 as foreground and layer 1 as background
         spans = [s for s in text.spans if s.start >= len(lines[0]) + 1 + GUTTER][:8]
         first = spans[0].style
@@ -239,11 +239,13 @@ async def test_heatmap_hover_and_click_pick_cells():
     app = HeatmapApp(sample_data())
     async with app.run_test(size=(40, 12)) as pilot:
         heatmap = app.query_one(ExpertHeatmap)
-        await pilot.hover("#hm", offset=(GUTTER + 1, 1))
+        cell = heatmap.cell_width
+        assert cell == 4  # 8 experts in 36 columns: drawn 4 columns wide
+        await pilot.hover("#hm", offset=(GUTTER + cell + 1, 1))
         assert heatmap.hover == (0, 1)
         assert "L0 E1" in heatmap.info_text() and "last use #7" in heatmap.info_text()
         assert "L1" not in heatmap.info_text().split("|")[0]
-        await pilot.click("#hm", offset=(GUTTER + 5, 2))
+        await pilot.click("#hm", offset=(GUTTER + 5 * cell, 2))
         assert heatmap.cursor == (2, 5)
 
 

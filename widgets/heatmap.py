@@ -28,6 +28,8 @@ MODES = ("residency", "heat", "token", "swaps")
 FOLDS = ("auto", "fold", "scroll")
 GUTTER = 4
 """Columns for the row labels (the even layer of each row)."""
+MAX_CELL_WIDTH = 4
+"""Few experts (a tiny model) are drawn up to this many columns wide each, so they stay easy to hit."""
 MAX_REDRAWS_PER_SECOND = 10
 
 BLANK = "#161b22"
@@ -175,9 +177,15 @@ class ExpertHeatmap(Widget, can_focus=True):
             self.layer = layer
             self.expert = expert
 
-    def __init__(self, data: HeatmapData | None = None, *, id: str | None = None, classes: str | None = None) -> None:
+    def __init__(
+        self, data: HeatmapData | None = None, *, profile: bool = False, id: str | None = None, classes: str | None = None
+    ) -> None:
         super().__init__(id=id, classes=classes)
         self.data = data
+        self.profile = profile
+        """A stored heat profile has no residency and no current token: heat view only."""
+        if profile:
+            self.set_reactive(ExpertHeatmap.mode, "heat")
         self.x_offset = 0
         self.y_offset = 0
         self.redraw_count = 0
@@ -238,6 +246,18 @@ class ExpertHeatmap(Widget, can_focus=True):
         return max(1, self.size.width - GUTTER)
 
     @property
+    def cell_width(self) -> int:
+        """Columns per expert: 1, or more when all experts fit several times over."""
+        if self.data is None or self.data.shape[1] == 0:
+            return 1
+        return max(1, min(MAX_CELL_WIDTH, self.grid_width // self.data.shape[1]))
+
+    @property
+    def experts_across(self) -> int:
+        """Experts that fit on one line."""
+        return max(1, self.grid_width // self.cell_width)
+
+    @property
     def grid_height(self) -> int:
         """Lines for the grid: everything but the legend and the info line."""
         return max(1, self.size.height - 2)
@@ -248,7 +268,7 @@ class ExpertHeatmap(Widget, can_focus=True):
         if self.fold == "fold":
             return True
         n_layers, n_experts = self.data.shape
-        bands = math.ceil(n_experts / self.grid_width)
+        bands = math.ceil(n_experts / self.experts_across)
         return bands > 1 and bands * (math.ceil(n_layers / 2) + 1) <= self.grid_height
 
     def grid_lines(self) -> list[GridLine]:
@@ -258,9 +278,10 @@ class ExpertHeatmap(Widget, can_focus=True):
         n_layers, n_experts = self.data.shape
         rows = math.ceil(n_layers / 2)
         if self.is_folded():
-            bands = [(start, min(n_experts, start + self.grid_width)) for start in range(0, n_experts, self.grid_width)]
+            across = self.experts_across
+            bands = [(start, min(n_experts, start + across)) for start in range(0, n_experts, across)]
         else:
-            bands = [(self.x_offset, min(n_experts, self.x_offset + self.grid_width))]
+            bands = [(self.x_offset, min(n_experts, self.x_offset + self.experts_across))]
         lines = []
         for first, last in bands:
             lines.append(GridLine("header", first, last))
@@ -274,8 +295,8 @@ class ExpertHeatmap(Widget, can_focus=True):
         if not self.is_folded():
             if expert < self.x_offset:
                 self.x_offset = expert
-            elif expert >= self.x_offset + self.grid_width:
-                self.x_offset = expert - self.grid_width + 1
+            elif expert >= self.x_offset + self.experts_across:
+                self.x_offset = expert - self.experts_across + 1
         for index, line in enumerate(self.grid_lines()):
             if line.kind == "row" and line.row == layer // 2 and line.first_expert <= expert < line.last_expert:
                 if index < self.y_offset + 1:
@@ -293,7 +314,7 @@ class ExpertHeatmap(Widget, can_focus=True):
         if index >= len(lines) or lines[index].kind != "row":
             return None
         line = lines[index]
-        expert = line.first_expert + x - GUTTER
+        expert = line.first_expert + (x - GUTTER) // self.cell_width
         if expert >= line.last_expert:
             return None
         top = 2 * line.row
@@ -310,13 +331,15 @@ class ExpertHeatmap(Widget, can_focus=True):
         self.cursor = (min(n_layers - 1, max(0, layer + layers)), min(n_experts - 1, max(0, expert + experts)))
 
     def action_page(self, direction: int) -> None:
-        self.action_move(0, direction * self.grid_width)
+        self.action_move(0, direction * self.experts_across)
 
     def action_edge(self, which: int) -> None:
         if self.data is not None:
             self.cursor = (self.cursor[0], (self.data.shape[1] - 1) if which else 0)
 
     def action_cycle_mode(self) -> None:
+        if self.profile:
+            return
         self.mode = MODES[(MODES.index(self.mode) + 1) % len(MODES)]
 
     def action_cycle_fold(self) -> None:
@@ -360,6 +383,8 @@ class ExpertHeatmap(Widget, can_focus=True):
         total = int(data.heat[layer].sum())
         share = f" ({100 * heat / total:.1f}%)" if total else ""
         last = int(data.last_use[layer, expert])
+        if self.profile:
+            return f"L{layer} E{expert} · heat {heat:,}{share}"
         parts = [
             f"L{layer} E{expert}",
             LEVEL_NAMES.get(level, f"level {level}"),
@@ -385,13 +410,16 @@ class ExpertHeatmap(Widget, can_focus=True):
         return self.describe(*self.cursor)
 
     def _ruler(self, first: int, last: int) -> str:
-        width = last - first
+        cell = self.cell_width
+        width = (last - first) * cell
         chars = [" "] * width
         step = 8 if width >= 32 else 4
+        if cell >= 3:
+            step = 2 if cell == 3 else 1
         for expert in range(first, last):
             if expert % step == 0:
                 label = str(expert)
-                offset = expert - first
+                offset = (expert - first) * cell
                 if offset + len(label) <= width and all(c == " " for c in chars[max(0, offset - 1): offset + len(label)]):
                     chars[offset: offset + len(label)] = label
         return "".join(chars)
@@ -408,12 +436,13 @@ class ExpertHeatmap(Widget, can_focus=True):
         cursor_layer, cursor_expert = self.cursor
         show_cursor = self.has_focus
         lines = self.grid_lines()
+        block = "▀" * self.cell_width
         visible = lines[self.y_offset: self.y_offset + self.grid_height]
         for line in visible:
             if line.kind == "header":
                 text.append("exp ".ljust(GUTTER), ruler_style)
                 ruler = self._ruler(line.first_expert, line.last_expert)
-                if not self.is_folded() and n_experts > self.grid_width:
+                if not self.is_folded() and n_experts > self.experts_across:
                     where = f" ◀{line.first_expert}–{line.last_expert - 1} of {n_experts}▶"
                     ruler = ruler[: max(0, len(ruler) - len(where))] + where
                 text.append(ruler, ruler_style)
@@ -431,9 +460,9 @@ class ExpertHeatmap(Widget, can_focus=True):
                     elif cursor_layer == bottom:
                         bottom_color = CURSOR_COLOR
                 if bottom_color == "default":
-                    text.append("▀", Style(color=top_color))
+                    text.append(block, Style(color=top_color))
                 else:
-                    text.append("▀", half_block_style(top_color, bottom_color))
+                    text.append(block, half_block_style(top_color, bottom_color))
             text.append("\n")
         for _ in range(self.grid_height - len(visible)):
             text.append("\n")

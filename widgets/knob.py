@@ -115,7 +115,8 @@ class Knob(Widget, can_focus=True):
         self.integer = integer
         self.low = float(low)
         self.high = float(max(high, low))
-        self.default = self.clamp(low if default is None else default)
+        self._wanted_default = float(low if default is None else default)
+        self.default = self.clamp(self._wanted_default)
         self.step = step if step is not None else (1.0 if integer else (self.high - self.low) / 100 or 0.01)
         self.big_step = big_step if big_step is not None else max(self.step, (self.high - self.low) / 10)
         self._dragging = False
@@ -134,14 +135,16 @@ class Knob(Widget, can_focus=True):
             value = round(value, 6)
         return value
 
-    def set_range(self, low: float, high: float) -> None:
+    def set_range(self, low: float, high: float, default: float | None = None) -> None:
         """Change the range (e.g. once the model's expert count is known), keeping the value inside."""
+        if default is not None:
+            self._wanted_default = float(default)
         self.low = float(low)
         self.high = float(max(high, low))
         if not self.integer:
             self.step = (self.high - self.low) / 100 or 0.01
             self.big_step = max(self.step, (self.high - self.low) / 10)
-        self.default = self.clamp(self.default)
+        self.default = self.clamp(self._wanted_default)
         self.set_reactive(Knob.value, self.clamp(self.value))
         self.refresh()
 
