@@ -45,3 +45,6 @@ echo "== fused expert micro-benchmark (default kernel for the device)"
 echo "== same, the other row strategy (group <-> row), for comparison"
 "$PY" -m tierlab.engine.tiers.bench_tier --hidden 2048 --inter 512 --per-call 8 --resident 64 \
     --seconds "${SECONDS_PER_KIND:-2}" --row-mode other
+echo "== default kernel, 64 experts per call (device throughput rather than per-call overhead)"
+"$PY" -m tierlab.engine.tiers.bench_tier --hidden 2048 --inter 512 --per-call 64 --resident 64 \
+    --seconds "${SECONDS_PER_KIND:-2}"
