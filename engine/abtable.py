@@ -23,7 +23,7 @@ import numpy as np
 from tierlab.engine.belady import CacheReplay, belady_hits
 from tierlab.engine.errors import FormatError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobValues
-from tierlab.engine.routing import KL_GUARD, KL_MISSING
+from tierlab.engine.routing import topk_kl
 from tierlab.engine.sessionlog import SessionLog, read_session_log
 
 MISSING = "–"
@@ -127,22 +127,11 @@ def _routing_measured(log: SessionLog) -> bool:
 
 
 def _layer_kl(layer: dict[str, Any]) -> float | None:
-    """KL(true top-K mass || chosen mass) of one record, as the routing meter defines it."""
+    """The routing KL meter of one record (None when the record lacks true_weights)."""
     true_weights = layer.get("true_weights")
     if true_weights is None:
         return None
-    chosen = [e for e in layer["chosen"] if e >= 0]
-    q_of = dict(zip(layer["chosen"], layer["weights"]))
-    true = [(e, w) for e, w in zip(layer["true_topk"], true_weights) if e >= 0]
-    p_total = max(sum(w for _, w in true), KL_GUARD)
-    q_total = max(sum(q_of[e] for e in chosen), KL_GUARD)
-    kl = 0.0
-    for e, w in true:
-        p = w / p_total
-        if p > 0.0:
-            q = q_of[e] / q_total if e in q_of else KL_MISSING
-            kl += p * float(np.log(max(p, KL_GUARD) / max(q, KL_GUARD)))
-    return kl
+    return topk_kl(layer["true_topk"], true_weights, layer["chosen"], layer["weights"])
 
 
 def _requests_per_layer(log: SessionLog) -> dict[int, list[list[int]]]:

@@ -85,17 +85,22 @@ def _chosen_values(probs, chosen: list[int], true_set: set[int], K: int, alpha: 
     return val
 
 
-def _kl_true_vs_chosen(probs, true_topk: list[int], chosen: list[int], val: np.ndarray) -> float:
-    """KL(true top-K mass || chosen mass) in nats, each side normalised over its own set."""
-    p_total = max(sum(float(probs[e]) for e in true_topk), KL_GUARD)
-    q_total = max(sum(float(v) for v in val[: len(chosen)]), KL_GUARD)
-    slot_of = {e: s for s, e in enumerate(chosen)}
+def topk_kl(true_ids, true_mass, chosen_ids, chosen_mass) -> float:
+    """KL(true top-K mass || chosen mass) in nats, each side normalised over its own set.
+
+    The meter of REFERENCE.md §2: 1e-20 guards, and a true expert that was not
+    chosen counts with probability 1e-12. Ids of -1 (unfilled) are ignored.
+    """
+    true = [(e, float(m)) for e, m in zip(true_ids, true_mass) if e >= 0]
+    chosen = {e: float(m) for e, m in zip(chosen_ids, chosen_mass) if e >= 0}
+    p_total = max(sum(m for _, m in true), KL_GUARD)
+    q_total = max(sum(chosen.values()), KL_GUARD)
     kl = 0.0
-    for e in true_topk:
-        p = float(probs[e]) / p_total
+    for e, mass in true:
+        p = mass / p_total
         if p <= 0.0:
             continue
-        q = float(val[slot_of[e]]) / q_total if e in slot_of else KL_MISSING
+        q = chosen[e] / q_total if e in chosen else KL_MISSING
         kl += p * math.log(max(p, KL_GUARD) / max(q, KL_GUARD))
     return kl
 
@@ -113,7 +118,7 @@ def _finish(probs, level, chosen: list[int], true_topk: list[int], K: int, alpha
         swaps_vram=sum(1 for e in substitutes if level[e] == LEVEL_GPU),
         agree_hit=len(chosen) - len(substitutes),
         agree_tot=len(true_topk),
-        kl=_kl_true_vs_chosen(probs, true_topk, chosen, val),
+        kl=topk_kl(true_topk, [probs[e] for e in true_topk], chosen, val[: len(chosen)]),
     )
     return idx, val, stats
 
