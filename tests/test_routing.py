@@ -414,3 +414,30 @@ def test_meters_json_keys():
     assert out["route_agree"] == pytest.approx(89.4)
     assert out["route_kl"] == pytest.approx(1.85)
     assert out["slots"] == 1000 and out["swaps"] == 106
+
+
+def test_router_agrees_with_the_reference_on_random_rows():
+    rng = np.random.default_rng(7)
+    for norm in (True, False):
+        router = Router(n_layers=1, n_experts=24, top_k=4, norm_topk_prob=norm)
+        for _ in range(150):
+            logits, probs, mask, level = random_row(rng, 24)
+            mode = str(rng.choice(["maxrank", "cumprob", "prior"]))
+            k = knobs(CACHE_ROUTE=True, ROUTE_MODE=mode, ROUTE_J=int(rng.integers(0, 5)), ROUTE_M=int(rng.integers(1, 16)),
+                      ROUTE_P=float(rng.choice([0.0, 0.7])), ROUTE_ALPHA=float(rng.choice([1.0, 0.5])), ROUTE_LAMBDA=0.3)
+            res = router.select(0, logits, probs, level, k, mask=mask) if mask.sum() >= 4 else None
+            if res is None:
+                continue
+            if mode == "prior":
+                bias = k.ROUTE_LAMBDA * router.logit_range_ema(0)
+                idx, val, _ = prior_select(logits, probs, mask, level, 4, k.ROUTE_J, bias, k.ROUTE_ALPHA)
+            else:
+                M = 24 if mode == "cumprob" and 0 < k.ROUTE_P < 1 else k.ROUTE_M
+                idx, val, _ = route_select(probs, mask, level, 4, k.ROUTE_J, M, k.ROUTE_P, k.ROUTE_ALPHA)
+            assert res.idx.tolist() == idx.tolist()
+            expected = val / val.sum() if norm else val
+            np.testing.assert_allclose(res.weights, expected, rtol=1e-6)
+            assert res.level.tolist() == level[idx].tolist()
+            true = sorted(np.flatnonzero(mask).tolist(), key=lambda e: (-float(probs[e]), e))[:4]
+            assert res.true_topk.tolist() == true
+            assert res.swapped.tolist() == [e not in true for e in idx]
