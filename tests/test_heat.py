@@ -16,7 +16,7 @@ from tierlab.engine.errors import FormatError
 from tierlab.engine.heat import MAGIC, HeatProfile, diff, from_routes, index_order, summarize_counts
 from tierlab.engine.tiers.plan import compare_warmstarts, synthetic_trace, trace_heat
 
-PYTHON = "/work/main/.venv/bin/python" if os.path.exists("/work/main/.venv/bin/python") else sys.executable
+PYTHON = sys.executable  # the venv running the tests (/work/main/.venv/bin/python under `make test`)
 
 
 def known_profile() -> HeatProfile:
