@@ -6,7 +6,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 
