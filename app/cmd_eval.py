@@ -21,6 +21,7 @@ def run(args) -> int:
     prompt, full = read_ref(args.ref)
     engine = open_engine(args, with_tokenizer=False)
     result = run_eval(engine, prompt, full, ppl=args.ppl)
+    engine.close()
     print_notices(engine)
     if args.json:
         print(json.dumps(result))

@@ -43,8 +43,9 @@ def run(args) -> int:
             sys.stdout.write(text_so_far[len(printed):])
             sys.stdout.flush()
             printed = text_so_far
-    print_notices(engine)
     meters = engine.meters()
+    engine.close()
+    print_notices(engine)
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "ids": out_ids, "text": tok.decode(out_ids), **meters}))
     else:

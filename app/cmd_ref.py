@@ -40,6 +40,7 @@ def run(args) -> int:
         raise ModelError("-n must be at least 1")
     generated, _ = greedy_decode(engine, prompt, args.n)
     write_ref(args.out, prompt, prompt + generated)
+    engine.close()
     print_notices(engine)
     print(f"wrote {args.out}: {len(prompt)} prompt + {len(generated)} generated tokens")
     return 0

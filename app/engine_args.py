@@ -21,6 +21,16 @@ def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
     if cache:
         parser.add_argument("--cache", type=int, metavar="N", default=None,
                             help="RAM expert cache slots per layer (default: all experts)")
+    tier = parser.add_argument_group("GPU tier and heat profile (flags override TIER, TIER_GB, TIER_DEVICE, "
+                                     "TIER_NO_WARMSTART, HEAT_FILE)")
+    tier.add_argument("--tier", action="store_const", const=True, default=None,
+                      help="put experts on an OpenCL device as the first residency level")
+    tier.add_argument("--tier-gb", metavar="GB", default=None, help="tier budget in GB, or auto (default auto)")
+    tier.add_argument("--tier-device", metavar="NAME", default=None, help="substring of the device name")
+    tier.add_argument("--no-warmstart", action="store_const", const=False, default=None, dest="warmstart",
+                      help="start with an empty tier")
+    tier.add_argument("--heat", metavar="FILE", default=None,
+                      help="heat profile: plans the tier's warmstart if it exists; written on exit")
     group = parser.add_argument_group("levers (flags override the environment variables of the same name)")
     for spec in SPECS:
         flag = "--" + spec.name.lower().replace("_", "-")
@@ -37,8 +47,12 @@ def open_engine(args: argparse.Namespace, with_tokenizer: bool = True):
     from tierlab.engine.model import load_engine
 
     knobs = knobs_from_args(args)
+    from tierlab.engine.tiering import TierOptions
+
+    tier = TierOptions.from_env(enabled=args.tier, budget=args.tier_gb, device=args.tier_device,
+                                warmstart=args.warmstart, heat_file=args.heat)
     engine = load_engine(args.model, cache_slots=getattr(args, "cache", None), knobs=knobs,
-                         with_tokenizer=with_tokenizer)
+                         with_tokenizer=with_tokenizer, tier=tier)
     return engine
 
 

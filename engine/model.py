@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from tierlab.engine import tiering
 from tierlab.engine.checkpoint import Checkpoint, to_f32
 from tierlab.engine.config import ModelConfig, load_config
 from tierlab.engine.errors import ModelError
@@ -70,7 +71,11 @@ class Engine:
         self.cache = ExpertCache(source, cfg.n_layers, cfg.n_experts, slots, cfg.moe_layers)
         self.tier = None
         self.router = None
-        self.heat = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)
+        self.heat = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)  # since the last reset_meters
+        self.heat_total = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)  # whole process (HEAT_FILE)
+        self.heat_file: str | None = None
+        self.base_heat = None
+        self.tier_report: dict = {}
         #: per MoE layer, the expert ids requested by each token (for the Belady bound)
         self.requests: list[list[np.ndarray]] = [[] for _ in range(cfg.n_layers)]
         self.timers: dict[str, float] = defaultdict(float)
@@ -249,6 +254,9 @@ class Engine:
             from tierlab.engine.routing import meters_json
 
             out.update(meters_json(self.router.meters))
+        if self.tier is not None:
+            out.update(tier_residents=int(self.tier.stats.residents), tier_uploads=int(self.tier.stats.uploads),
+                       tier_bytes=int(self.tier.stats.bytes))
         if self.pilot is not None:
             pm = self.pilot.meters()
             out.update(pm)
@@ -267,6 +275,8 @@ class Engine:
         return 100.0 * belady_hit_rate(layers, self.cache.slots)
 
     def close(self) -> None:
+        """Write HEAT_FILE (if set), stop the prefetcher, release files and the device."""
+        tiering.write_heat(self)
         if self.pilot is not None:
             self.pilot.close()
         self.cache.source.close()
@@ -281,10 +291,14 @@ class _PassContext:
         self.engine = engine
         self.knobs = engine.knobs.snapshot()
         self.cache = engine.cache
-        self.tier = engine.tier
         self.router = engine.router
         self.timers: dict[str, float] = defaultdict(float)
         self.wants_levels = bool(engine._listeners) or engine.tier is not None
+
+    @property
+    def tier(self):
+        """The GPU tier, or None (also after it failed during this pass)."""
+        return self.engine.tier
 
     def residency(self, layer: int) -> np.ndarray:
         return self.engine.residency(layer)
@@ -295,14 +309,15 @@ class _PassContext:
             engine.pilot.observe(layer, logits, route.chosen, route.ram_hits, self.knobs)
         chosen = route.chosen[route.chosen >= 0]
         engine.heat[layer, chosen] += 1
+        engine.heat_total[layer, chosen] += 1
         engine.requests[layer].append(chosen.astype(np.int16))
         engine.vram_served += route.vram_served
 
     def tier_enqueue(self, layer: int, experts: list[int], x: np.ndarray):
-        return self.engine.tier_enqueue(layer, experts, x) if hasattr(self.engine, "tier_enqueue") else None
+        return tiering.tier_enqueue(self.engine, layer, experts, x)
 
     def tier_collect(self, handle):
-        return self.engine.tier_collect(handle) if hasattr(self.engine, "tier_collect") else None
+        return tiering.tier_collect(self.engine, handle)
 
 
 def open_expert_source(model_dir: Path, cfg: ModelConfig):
@@ -315,7 +330,7 @@ def open_expert_source(model_dir: Path, cfg: ModelConfig):
 
 
 def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Knobs | None = None,
-                with_tokenizer: bool = True) -> Engine:
+                with_tokenizer: bool = True, tier: "tiering.TierOptions | None" = None) -> Engine:
     """Load a model folder or container; raises ModelError (one line) on bad input."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -337,6 +352,7 @@ def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Kn
     from tierlab.engine.routing import Router
 
     engine.router = Router(cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
+    tiering.attach_tier(engine, tier if tier is not None else tiering.TierOptions.from_env())
     return engine
 
 
