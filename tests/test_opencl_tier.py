@@ -324,3 +324,47 @@ def test_warmstart_fills_the_tier_in_heat_order_then_stops_when_full(tmp_path):
     with pytest.raises(FormatError):
         warmstart(tier, read_into, 3, 5, heat_file=str(tmp_path / "heat.bin"))
     tier.close()
+
+
+def test_device_failure_while_collecting_disables_the_tier():
+    hidden, inter = SMALL
+    rng = np.random.default_rng(12)
+    tier, notes = open_tier("bf16", hidden, inter)
+    blob, _ = make_expert("bf16", hidden, inter, rng)
+    tier.upload(3, 0, blob)
+    handle = tier.enqueue(3, [0], np.ones(hidden, np.float32))
+    handle.done.wait()
+
+    class LostEvent:
+        def wait(self):
+            raise cl.RuntimeError("clWaitForEvents failed: EXEC_STATUS_ERROR_FOR_EVENTS_IN_WAIT_LIST")
+
+    handle.done = LostEvent()
+    with pytest.raises(TierFailure):
+        tier.collect(handle)
+    assert len(notes) == 1 and not tier.is_resident(3, 0) and tier.stats.residents == 0
+    tier.close()
+
+
+def test_out_of_device_memory_while_uploading_shrinks_capacity(monkeypatch):
+    hidden, inter = SMALL
+    rng = np.random.default_rng(13)
+    tier, notes = open_tier("int8", hidden, inter)
+    tier.slots_per_pool = 2
+    blob, mats = make_expert("int8", hidden, inter, rng)
+    assert tier.upload(0, 0, blob) and tier.upload(0, 1, blob)  # fills pool 0
+    real_pool_offset = tier._pool_offset
+
+    def no_memory(slot):
+        if slot >= 2:
+            raise cl.MemoryError("clCreateBuffer failed: MEM_OBJECT_ALLOCATION_FAILURE")
+        return real_pool_offset(slot)
+
+    monkeypatch.setattr(tier, "_pool_offset", no_memory)
+    assert tier.upload(0, 2, blob) is False
+    assert tier.upload(0, 3, blob) is False
+    assert len(notes) == 1 and "out of memory" in notes[0]
+    assert tier.capacity == 2 and tier.failed is None
+    x = rng.standard_normal(hidden).astype(np.float32)
+    assert rel_err(tier.run(0, [1], x)[0], reference(mats, x)) < 1e-5  # what it holds still works
+    tier.close()

@@ -240,6 +240,7 @@ class OpenCLTier:
                 self._shrink_to_allocated()
                 self._notice_once("oom", f"GPU tier: device out of memory after {len(self._slot_of)} experts; "
                                   f"capacity now {self.capacity}")
+                self._noticed.add("full")  # that notice already says the tier is full
             else:
                 self._disable(f"upload failed ({_first_line(exc)})")
             return False
