@@ -90,8 +90,10 @@ class TierlabApp(App):
         heat: str | Path | None = None,
         sessions_dir: str | Path = "tierlab-sessions",
         seed: int = 0,
+        max_tokens: int = 64,
     ) -> None:
         super().__init__()
+        self.max_tokens = max_tokens
         self.model_dir = None if model_dir is None else Path(model_dir)
         self.engine_factory = engine_factory
         self.cache_slots = cache_slots
@@ -129,6 +131,7 @@ class TierlabApp(App):
         self.query_one("#knobs").border_title = "Knobs"
         self.query_one("#meters-box").border_title = "Meters"
         self.sub_title = "loading…"
+        self.query_one("#max-tokens", Knob).set_value_quietly(self.max_tokens)
         self.query_one("#prompt").focus()
         self.set_interval(VIEW_INTERVAL, self.refresh_views, name="views")
         self.load_engine()

@@ -411,3 +411,36 @@ async def settle_for_snapshot(pilot) -> None:
 @pytest.mark.parametrize("size", [(100, 30), (160, 48)], ids=["100x30", "160x48"])
 def test_main_screen_snapshot(snap_compare, make_app, size):
     assert snap_compare(make_app(), terminal_size=size, run_before=settle_for_snapshot)
+
+
+# -- a real terminal ---------------------------------------------------------------
+
+
+def have_tmux() -> bool:
+    """tmux, installed with apt-get when it is missing and we may (root on Debian)."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("tmux"):
+        return True
+    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300, check=False)
+        subprocess.run(["apt-get", "update"], **quiet)
+        subprocess.run(["apt-get", "install", "-y", "tmux"], **quiet)
+    return shutil.which("tmux") is not None
+
+
+def test_tmux_smoke(tiny_model, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    if not have_tmux():
+        pytest.skip("tmux is not installed and cannot be installed here")
+    script = Path(__file__).with_name("tmux_smoke.sh")
+    env = dict(os.environ, PYTHON=sys.executable)
+    result = subprocess.run(["bash", str(script), str(tiny_model), str(tmp_path / "work")], env=env,
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tmux smoke: ok" in result.stdout
