@@ -9,7 +9,6 @@ start of each token.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from pathlib import Path
@@ -44,15 +43,12 @@ def one_line(exc: BaseException) -> str:
 
 
 def open_engine(model_dir: Path, cache_slots: int | None, tier: bool, heat: Path | None):
-    """Load an engine, passing the tier options only if this engine build takes them."""
+    """Load an engine; `tier` attaches the GPU tier, `heat` plans it (and gets this run's counts on exit)."""
     from tierlab.engine.model import load_engine
+    from tierlab.engine.tiering import TierOptions
 
-    wanted = {"tier": tier or None, "heat": heat}
-    accepted = inspect.signature(load_engine).parameters
-    extra = {name: value for name, value in wanted.items() if value and name in accepted}
-    engine = load_engine(model_dir, cache_slots=cache_slots, **extra)
-    missing = [name for name, value in wanted.items() if value and name not in accepted]
-    return engine, missing
+    options = TierOptions.from_env(enabled=True if tier else None, heat_file=str(heat) if heat else None)
+    return load_engine(model_dir, cache_slots=cache_slots, tier=options)
 
 
 class TierlabApp(App):
@@ -107,6 +103,8 @@ class TierlabApp(App):
         self.generating = False
         self.replies = 0
         self._stop_event = threading.Event()
+        self._engine_idle = threading.Event()
+        self._engine_idle.set()
         self._drawn_tokens = -1
         self._initial_slots = 0
 
@@ -146,22 +144,22 @@ class TierlabApp(App):
             return
         try:
             if self.engine_factory is not None:
-                engine, missing = self.engine_factory(), []
+                engine = self.engine_factory()
             else:
-                engine, missing = open_engine(self.model_dir, self.cache_slots, self.tier, self.heat_path)
+                engine = open_engine(self.model_dir, self.cache_slots, self.tier, self.heat_path)
         except TierlabError as exc:
             self.call_from_thread(self._engine_failed, one_line(exc))
             return
         except Exception as exc:  # an engine bug must not take the app down
             self.call_from_thread(self._engine_failed, f"{type(exc).__name__}: {one_line(exc)}")
             return
-        self.call_from_thread(self._engine_ready, engine, missing)
+        self.call_from_thread(self._engine_ready, engine)
 
     def _engine_failed(self, message: str) -> None:
         self.sub_title = "no model"
         self.notify(message, title="Model not loaded", severity="error", timeout=15)
 
-    def _engine_ready(self, engine, missing: list[str]) -> None:
+    def _engine_ready(self, engine) -> None:
         self.engine = engine
         self.watch = EngineWatch(engine)
         config = engine.config
@@ -171,8 +169,8 @@ class TierlabApp(App):
         self.query_one(KnobsPanel).show(engine.knobs.snapshot(), slots)
         self.refresh_views(force=True)
         self._update_subtitle()
-        for option in missing:
-            self.notify(f"--{option} is not supported by this engine yet; running without it", severity="warning")
+        if self.tier and getattr(engine, "tier", None) is None:
+            self.notify("no GPU tier: running from RAM and disk only", severity="warning")
         if getattr(engine, "tokenizer", None) is None:
             self.notify("this model has no tokenizer.json: chat is off", severity="warning")
         self._show_engine_notices()
@@ -189,7 +187,7 @@ class TierlabApp(App):
         notices = getattr(self.engine, "notices", None)
         if notices:
             while notices:
-                self.notify(str(notices.pop(0)), title="engine", severity="warning")
+                self.notify(str(notices.pop(0)), title="engine")
 
     def _update_subtitle(self) -> None:
         if self.engine is None:
@@ -258,6 +256,7 @@ class TierlabApp(App):
         reply.add_class("-streaming")
         self.generating = True
         self._stop_event = threading.Event()
+        self._engine_idle.clear()
         self._update_subtitle()
         self.generate_reply(prompt, reply, chat.settings(), self._stop_event)
 
@@ -284,6 +283,7 @@ class TierlabApp(App):
         except Exception as exc:  # an engine bug ends this reply, not the app
             error = f"{type(exc).__name__}: {one_line(exc)}"
         text = tokenizer.decode(produced, skip_special=True) if produced else ""
+        self._engine_idle.set()
         self._call_ui(self._finish_reply, reply, text, len(produced), stop.is_set(), error)
 
     def _call_ui(self, callback, *args) -> None:
@@ -485,3 +485,8 @@ class TierlabApp(App):
             self.recorder = None
         if self.watch is not None:
             self.watch.close()
+        if self.engine is not None and self._engine_idle.wait(timeout=10):
+            try:
+                self.engine.close()  # writes the --heat profile, releases files and the device
+            except Exception:
+                pass

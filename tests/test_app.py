@@ -444,3 +444,34 @@ def test_tmux_smoke(tiny_model, tmp_path):
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tmux smoke: ok" in result.stdout
+
+
+async def test_tier_puts_experts_at_the_gpu_level_or_says_why(make_app, tmp_path):
+    heat = tmp_path / "plan.heat"
+    HeatProfile(6, 16, np.tile(np.arange(16, dtype=np.int64), (6, 1))).write(heat)
+    app = make_app(tier=True, heat=heat)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await pilot.pause(0.2)
+        levels = app.query_one(ExpertHeatmap).data.levels
+        if app.engine.tier is None:
+            assert any("no GPU tier" in text for text, _ in app.notes)
+            assert not (levels == 2).any()
+        else:
+            assert any("GPU tier on" in text for text, _ in app.notes)
+            assert (levels == 2).any()
+            np.testing.assert_array_equal(levels[0], app.engine.residency(0))
+
+
+def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch):
+    import tierlab
+    from tierlab.app import cli
+
+    opened = []
+    monkeypatch.setattr(TierlabApp, "run", lambda self, *a, **k: opened.append(self))
+    assert cli.main([]) == 0
+    assert opened and opened[0].model_dir == tierlab.ASSETS_DIR / "tiny-moe"
+    assert cli.main(["app", "--model", "/somewhere", "--cache", "3", "--tier", "--heat", "h.heat", "--max-tokens", "9"]) == 0
+    app = opened[-1]
+    assert (str(app.model_dir), app.cache_slots, app.tier, str(app.heat_path), app.max_tokens) == (
+        "/somewhere", 3, True, "h.heat", 9)
