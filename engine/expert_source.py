@@ -14,7 +14,8 @@ import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint
 from tierlab.engine.errors import ModelError
-from tierlab.engine.kernels.dense import axpy, matvec, silu_mul, widen
+from tierlab.engine.kernels.dense import widen
+from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD
 from tierlab.engine.safetensors_file import DTYPES, FileHandles, TensorInfo
 
 _KIND_OF_DTYPE = {"F32": "fp32", "BF16": "bf16"}
@@ -100,23 +101,9 @@ class RawExpertSource:
         if pos != self.blob_nbytes:
             raise ModelError(f"layer {layer} expert {expert}: read {pos} bytes, expected {self.blob_nbytes}", self.ckpt.dir)
 
-    def matrices(self, blob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Views of gate, up, down inside a blob (no copy)."""
-        H, I = self.hidden, self.inter
-        flat = blob.view(np.float32 if self.kind == "fp32" else np.uint16)
-        gate = flat[: I * H].reshape(I, H)
-        up = flat[I * H: 2 * I * H].reshape(I, H)
-        down = flat[2 * I * H:].reshape(H, I)
-        return gate, up, down
-
     def forward(self, blob: np.ndarray, x: np.ndarray, y: np.ndarray, w: float) -> None:
         """y += w * down(silu(gate x) * up x)."""
-        gate, up, down = self.matrices(blob)
-        g = matvec(gate, x)
-        u = matvec(up, x)
-        h = np.empty_like(g)
-        silu_mul(g, u, h)
-        axpy(y, np.float32(w), matvec(down, h))
+        EXPERT_FORWARD[self.kind](blob, self.hidden, self.inter, x, y, w)
 
     def close(self) -> None:
         self._files.close()

@@ -2,8 +2,8 @@
 
 All kernels release the GIL (`nogil`) so the terminal app stays live while
 the engine works, and are cached on disk. Weights are float32 or bf16 kept
-as uint16; bf16 is widened exactly by shifting into the high half of a
-float32. Accumulation is in float32, which matches transformers' float32
+as uint16; the matrix-vector products are the bandwidth-tuned ones of
+`qmatvec`, shared with the experts. Accumulation is in float32, which matches transformers' float32
 path to well under 1e-4 relative.
 """
 
@@ -12,39 +12,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-_ROWS_PER_BLOCK = 16
-
-
-@njit(nogil=True, fastmath=True, cache=True, parallel=True)
-def matvec_f32(w, x, out):
-    """out[r] = w[r, :] . x for a float32 matrix."""
-    rows, cols = w.shape
-    for r in prange(rows):
-        acc = np.float32(0.0)
-        for c in range(cols):
-            acc += w[r, c] * x[c]
-        out[r] = acc
-
-
-@njit(nogil=True, fastmath=True, cache=True, parallel=True)
-def matvec_bf16(w, x, out):
-    """out[r] = w[r, :] . x for a bf16 matrix stored as uint16."""
-    rows, cols = w.shape
-    n_blocks = (rows + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK
-    for b in prange(n_blocks):
-        wide = np.empty(cols, dtype=np.uint32)
-        as_f32 = wide.view(np.float32)
-        r_end = min(rows, (b + 1) * _ROWS_PER_BLOCK)
-        for r in range(b * _ROWS_PER_BLOCK, r_end):
-            for c in range(cols):
-                wide[c] = np.uint32(w[r, c]) << np.uint32(16)
-            acc = np.float32(0.0)
-            for c in range(cols):
-                acc += as_f32[c] * x[c]
-            out[r] = acc
-
+from tierlab.engine.kernels.qmatvec import matvec_bf16, matvec_fp32
 
 def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Dispatch on the storage dtype; x is float32[cols]."""
@@ -53,7 +23,7 @@ def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.nd
     if w.dtype == np.uint16:
         matvec_bf16(w, x, out)
     else:
-        matvec_f32(w, x, out)
+        matvec_fp32(w, x, out)
     return out
 
 
@@ -277,13 +247,6 @@ def topk_desc(values, k, idx_out):
                 best = i
         idx_out[slot] = best
         taken[best] = True
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def silu_mul(gate, up, out):
-    for i in range(gate.shape[0]):
-        g = gate[i]
-        out[i] = g / (np.float32(1.0) + np.float32(math.exp(-g))) * up[i]
 
 
 @njit(nogil=True, fastmath=True, cache=True)
