@@ -50,6 +50,9 @@ class KernelReport:
     matvec_by_shape: dict[str, dict[str, float]] = field(default_factory=dict)
     fused_expert: dict[str, float] = field(default_factory=dict)  # Gweights/s of gate+up+down
     roofline_share: dict[str, float] = field(default_factory=dict)
+    # one thread, Gweights per second of that thread's CPU time (p10 over calls):
+    # what a core does when it is not descheduled, robust to a busy shared machine
+    per_core_cpu: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -62,6 +65,7 @@ class KernelReport:
             "matvec_by_shape": self.matvec_by_shape,
             "fused_expert": self.fused_expert,
             "roofline_share": self.roofline_share,
+            "per_core_cpu": self.per_core_cpu,
             "bytes_per_weight": BYTES_PER_WEIGHT,
         }
 
@@ -80,6 +84,19 @@ def _time_calls(call, n_calls: int, min_seconds: float) -> Timing:
         if i >= 50 * n_calls:
             break
     return Timing(float(np.median(times)), float(min(times)))
+
+
+def _cpu_time_rate(call, weights: int, n_calls: int) -> float:
+    """Gweights per second of thread CPU time (10th percentile of calls; 1 numba thread)."""
+    call(0)
+    times = []
+    for i in range(n_calls):
+        t0 = time.thread_time_ns()
+        call(i)
+        dt = time.thread_time_ns() - t0
+        if dt > 0:
+            times.append(dt)
+    return weights / float(np.percentile(times, 10)) if times else 0.0
 
 
 def measure_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
@@ -164,6 +181,18 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
         report.matvec[kind] = round(float(np.median(rates)), 2)
         report.matvec_best[kind] = round(float(np.median(bests)), 2)
         report.roofline_share[kind] = round(report.matvec[kind] * BYTES_PER_WEIGHT[kind] / bw, 3)
+        if not quick:
+            threads_before = numba.get_num_threads()
+            numba.set_num_threads(1)
+            try:
+                rows, cols = SHAPES[0]
+                ops = _random_operands(kind, rows, cols, 1, rng)
+                x = rng.standard_normal(cols, dtype=np.float32)
+                out = np.empty(rows, dtype=np.float32)
+                fn = _MATVEC[kind]
+                report.per_core_cpu[kind] = round(_cpu_time_rate(lambda i: fn(*ops[0], x, out), rows * cols, 300), 2)
+            finally:
+                numba.set_num_threads(threads_before)
 
     hidden, inter = 2048, 512
     for kind in KINDS:
@@ -194,6 +223,9 @@ def format_report(report: KernelReport) -> str:
             f"{100 * report.roofline_share.get(kind, 0):>9.0f}%{report.fused_expert.get(kind, 0):>8.2f}"
         )
     lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / stream GB/s")
+    if report.per_core_cpu:
+        lines.append("one core, per CPU-second (512x2048, cache-hot): "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in report.per_core_cpu.items()))
     if os.environ.get("OMP_WAIT_POLICY"):
         lines.append(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     return "\n".join(lines)
