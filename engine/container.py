@@ -26,7 +26,7 @@ import numpy as np
 
 from tierlab.engine.errors import ModelError
 from tierlab.engine.kernels import qmatvec
-from tierlab.engine.quant import BLOB_ALIGN, GROUP, BlobLayout, build_blob, check_dims
+from tierlab.engine.quant import BLOB_ALIGN, GROUP, BlobLayout, build_blob_fast, check_dims
 
 CONTAINER_JSON = "tierlab_container.json"
 EXPERTS_BIN = "experts.bin"
@@ -441,7 +441,7 @@ def convert(
         with open(tmp / EXPERTS_BIN, "wb") as f:
             for layer in range(dims.n_layers):
                 for gate, up, down in reader.layer(layer):
-                    f.write(build_blob(gate, up, down, bits).tobytes())
+                    f.write(build_blob_fast(gate, up, down, bits).tobytes())
                     f.write(pad.tobytes())
                 if progress:
                     progress(layer + 1, total, f"layer {layer + 1}/{dims.n_layers}")

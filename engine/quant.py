@@ -176,3 +176,70 @@ def expert_reference(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.n
     g = np.asarray(gate, dtype=np.float64) @ x
     u = np.asarray(up, dtype=np.float64) @ x
     return np.asarray(down, dtype=np.float64) @ (silu(g) * u)
+
+
+# --- fast path for the converter -------------------------------------------------------------
+# The numpy reference above runs at ~25 Mweights/s, i.e. ~20 minutes for the
+# 31 G expert weights of Qwen3.6-35B-A3B. This numba twin makes the same
+# float64 decisions (same division, same round-half-even, same float32 scale),
+# so its bytes are identical; tests compare the converter's blobs with
+# build_blob.
+
+
+def _numba_quantize_rows():
+    from numba import njit
+
+    @njit(nogil=True, cache=True)
+    def quantize_rows(w, qmax, qmin, q_out, s_out):
+        rows, cols = w.shape
+        for r in range(rows):
+            for g in range(cols // GROUP):
+                c0 = g * GROUP
+                amax = 0.0
+                for j in range(GROUP):
+                    a = abs(np.float64(w[r, c0 + j]))
+                    if a > amax:
+                        amax = a
+                s32 = np.float32(amax / qmax)
+                s_out[r, g] = s32
+                s64 = np.float64(s32)
+                for j in range(GROUP):
+                    v = 0.0
+                    if s64 > 0.0:
+                        v = np.rint(np.float64(w[r, c0 + j]) / s64)
+                        v = min(max(v, qmin), qmax)
+                    q_out[r, c0 + j] = np.int8(v)
+
+    return quantize_rows
+
+
+_quantize_rows = None
+
+
+def quantize_fast(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Same result as quantize(), compiled; w may be float32/float16/bf16/float64."""
+    global _quantize_rows
+    if _quantize_rows is None:
+        _quantize_rows = _numba_quantize_rows()
+    rows, cols = w.shape
+    if cols % GROUP:
+        raise ValueError(f"columns ({cols}) must be a multiple of {GROUP}")
+    w = np.ascontiguousarray(w, dtype=np.float64 if w.dtype == np.float64 else np.float32)
+    q = np.empty((rows, cols), dtype=np.int8)
+    s = np.empty((rows, cols // GROUP), dtype=np.float32)
+    _quantize_rows(w, float(QMAX[bits]), float(QMIN[bits]), q, s)
+    return q, s
+
+
+def build_blob_fast(gate: np.ndarray, up: np.ndarray, down: np.ndarray, bits: int) -> np.ndarray:
+    """build_blob with the compiled quantiser (byte-identical)."""
+    inter, hidden = gate.shape
+    layout = BlobLayout(bits, hidden, inter)
+    blob = np.empty(layout.nbytes, dtype=np.uint8)
+    for m, w in enumerate((gate, up, down)):
+        if w.shape != layout.shape(m):
+            raise ValueError(f"expert matrix {m} has shape {w.shape}, expected {layout.shape(m)}")
+        q, s = quantize_fast(w, bits)
+        blob[layout.q_offset(m) : layout.q_offset(m) + layout.qbytes] = pack_weights(q, bits).reshape(-1)
+        blob[layout.s_offset(m) : layout.s_offset(m) + layout.sbytes] = s.reshape(-1).view(np.uint8)
+    return blob
