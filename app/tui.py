@@ -30,8 +30,8 @@ from tierlab.widgets.heatmap import ExpertHeatmap
 from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch
 from tierlab.widgets.meters import MeterPlot, MetersPanel
 
-VIEW_INTERVAL = 0.1
-"""Seconds between redraws of heatmap and meters while tokens arrive."""
+VIEW_INTERVAL = 0.2
+"""Seconds between redraws of heatmap and meters while tokens arrive (the engine needs the CPU more)."""
 STREAM_INTERVAL = 0.05
 """Seconds between updates of the reply text while it streams."""
 

@@ -172,16 +172,29 @@ async def test_stop_key_ends_a_reply_early(make_app):
     app = make_app()
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
-        app.query_one("#max-tokens", Knob).value = 200
+        real_generate = app.engine.generate
+
+        def slow_generate(*args, **kwargs):  # the real engine, paced so a reply outlasts the key presses
+            for token in real_generate(*args, **kwargs):
+                time.sleep(0.1)
+                yield token
+
+        app.engine.generate = slow_generate
+        app.query_one("#max-tokens", Knob).value = 500
         prompt = app.query_one("#prompt", Input)
         prompt.value = "stop me"
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.generating and app.watch.tokens_seen > 0)
-        await pilot.press("escape")
+        # the screen answers keys while the engine works (no time bound: the test machine is shared)
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), timeout=30)
+        await pilot.press("escape")  # closes help
+        assert app.generating, (app.watch.tokens_seen, app.notes, [m.text for m in app.query(ChatMessage)])
+        await pilot.press("escape")  # stops the reply
         await wait_for(pilot, lambda: not app.generating, timeout=30)
         reply = list(app.query(ChatMessage))[-1]
         assert reply.text.endswith("⏹")
-        assert app.watch.tokens_seen < 150
+        assert app.watch.tokens_seen < 300
 
 
 async def test_each_knob_reaches_the_engine_and_is_logged(make_app):
