@@ -24,7 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--cache", type=int, default=None, metavar="N", help="RAM cache slots per layer (default: all experts)")
     parser.add_argument("--tier", action="store_true", help="attach the GPU expert tier (OpenCL)")
     parser.add_argument("--heat", type=Path, default=None, metavar="FILE",
-                        help="heat profile: plans the GPU tier and opens in the heat inspector")
+                        help="heat profile: plans the GPU tier, opens in the heat inspector and gets this run's "
+                        "counts on exit")
     parser.add_argument("--sessions", type=Path, default=Path("tierlab-sessions"), metavar="DIR",
                         help="folder for recorded session logs, saved heat and A/B exports (default: ./tierlab-sessions)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

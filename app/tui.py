@@ -171,8 +171,12 @@ class TierlabApp(App):
         self._update_subtitle()
         if self.tier and getattr(engine, "tier", None) is None:
             self.notify("no GPU tier: running from RAM and disk only", severity="warning")
-        if getattr(engine, "tokenizer", None) is None:
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is None:
             self.notify("this model has no tokenizer.json: chat is off", severity="warning")
+        elif getattr(tokenizer, "chat_template", True) is None:
+            self.query_one(ChatPane).raw_mode = True
+            self.notify("this model has no chat template: raw completion mode", severity="warning")
         self._show_engine_notices()
 
     @staticmethod
@@ -302,7 +306,7 @@ class TierlabApp(App):
         reply.remove_class("-streaming")
         reply.set_text(text + (" ⏹" if stopped else ""))
         chat = self.query_one(ChatPane)
-        if reply.role == "assistant":
+        if reply.role == "assistant" and reply.is_attached:  # not when the chat was cleared meanwhile
             chat.messages.append({"role": "assistant", "content": text})
         chat.follow()
         if error:

@@ -488,3 +488,19 @@ def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch):
     app = opened[-1]
     assert (str(app.model_dir), app.cache_slots, app.tier, str(app.heat_path), app.max_tokens) == (
         "/somewhere", 3, True, "h.heat", 9)
+
+
+async def test_a_model_without_chat_template_starts_in_raw_mode(make_app, tiny_model, tmp_path):
+    import shutil
+
+    plain = tmp_path / "plain-moe"
+    shutil.copytree(tiny_model, plain)
+    (plain / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    app = make_app(model_dir=plain)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await pilot.pause()
+        assert app.query_one(ChatPane).raw_mode
+        assert any("no chat template" in text for text, _ in app.notes)
+        reply = await ask(pilot, "abc", max_tokens=2)
+        assert reply.role == "raw"

@@ -235,7 +235,7 @@ class Knob(Widget, can_focus=True):
             return self.low
         return self.clamp(self.low + (self.high - self.low) * offset / (layout.bar_width - 1))
 
-    async def _on_mouse_down(self, event: events.MouseDown) -> None:
+    def on_mouse_down(self, event: events.MouseDown) -> None:
         value = self._value_at(event.x)
         if value is None:
             return
@@ -244,7 +244,7 @@ class Knob(Widget, can_focus=True):
         self.capture_mouse()
         self.value = value
 
-    async def _on_mouse_move(self, event: events.MouseMove) -> None:
+    def on_mouse_move(self, event: events.MouseMove) -> None:
         if not self._dragging:
             return
         layout = self._layout()
@@ -253,7 +253,7 @@ class Knob(Widget, can_focus=True):
         if value is not None:
             self.value = value
 
-    async def _on_mouse_up(self, event: events.MouseUp) -> None:
+    def on_mouse_up(self, event: events.MouseUp) -> None:
         if self._dragging:
             self._dragging = False
             self.release_mouse()
