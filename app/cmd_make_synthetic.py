@@ -53,7 +53,9 @@ def synthetic_config(arch: str, layers: int, experts: int, top_k: int, vocab: in
             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
             moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=experts,
-            num_experts_per_tok=top_k, full_attention_interval=4, rms_norm_eps=1e-6,
+            # every 4th layer is full attention, as in the real model; with fewer than
+            # 4 layers the last one is, because transformers' cache needs at least one
+            num_experts_per_tok=top_k, full_attention_interval=min(4, layers), rms_norm_eps=1e-6,
             max_position_embeddings=262144, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
             **special,
