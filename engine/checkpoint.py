@@ -105,3 +105,10 @@ def to_f32(arr: np.ndarray) -> np.ndarray:
     if arr.dtype == np.uint16:
         return (arr.astype(np.uint32) << 16).view(np.float32)
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def fuse_rows(mats: list[np.ndarray]) -> np.ndarray:
+    """Stack weight matrices that multiply the same input, keeping bf16 as bf16 when all are."""
+    if len({m.dtype for m in mats}) != 1:
+        mats = [to_f32(m) for m in mats]
+    return np.ascontiguousarray(np.concatenate(mats, axis=0))

@@ -30,6 +30,7 @@ class LayerRoute:
     ram_hits: int = 0  # chosen experts found in the RAM cache
     ram_misses: int = 0  # chosen experts read from disk
     vram_served: int = 0  # chosen experts computed by the GPU tier
+    true_weights: np.ndarray | None = None  # float32[K], router probabilities of true_topk
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierlab.engine.checkpoint import Checkpoint, to_f32
+from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
 from tierlab.engine.kernels.dense import axpy, linear, softmax_row, topk_desc
@@ -46,13 +46,14 @@ class TokenRoute:
     true_topk: np.ndarray
     level: np.ndarray
     swapped: np.ndarray
+    true_probs: np.ndarray  # router probabilities of the true top-K (for KL from logs)
     ram_hits: int = 0
     ram_misses: int = 0
     vram_served: int = 0
 
     def as_event(self, layer: int) -> LayerRoute:
         return LayerRoute(layer, self.chosen, self.weights, self.true_topk, self.level, self.swapped,
-                          self.ram_hits, self.ram_misses, self.vram_served)
+                          self.ram_hits, self.ram_misses, self.vram_served, self.true_probs)
 
 
 class MoEBlock:
@@ -61,12 +62,17 @@ class MoEBlock:
         H = cfg.hidden_size
         self.layer = layer
         self.cfg = cfg
-        self.router_w = ckpt.load(p + "gate.weight", (cfg.n_experts, H))
-        self.shared = None
-        self.shared_gate = None
-        if cfg.shared_inter:
-            self.shared = SwiGLU(ckpt, p + "shared_expert.", H, cfg.shared_inter)
-            self.shared_gate = to_f32(ckpt.load(p + "shared_expert_gate.weight", (1, H)))
+        E, S = cfg.n_experts, cfg.shared_inter
+        rows = [ckpt.load(p + "gate.weight", (E, H))]
+        self.shared_down = None
+        if S:
+            # router, shared gate/up and the shared expert's sigmoid gate all read x: one matrix
+            rows += [ckpt.load(p + "shared_expert.gate_proj.weight", (S, H)),
+                     ckpt.load(p + "shared_expert.up_proj.weight", (S, H)),
+                     ckpt.load(p + "shared_expert_gate.weight", (1, H))]
+            self.shared_down = ckpt.load(p + "shared_expert.down_proj.weight", (H, S))
+        self.w_in = fuse_rows(rows)
+        self.router_w = self.w_in[:E]  # a view: PILOT runs the router alone
 
     # -- routing ---------------------------------------------------------------
     def route(self, logits: np.ndarray, ctx) -> TokenRoute:
@@ -75,12 +81,15 @@ class MoEBlock:
         probs = np.empty(cfg.n_experts, dtype=np.float32)
         softmax_row(logits, probs)
         knobs = ctx.knobs
-        if ctx.router is not None and (knobs.CACHE_ROUTE or knobs.meters_on):
+        lever = ctx.router is not None and knobs.CACHE_ROUTE
+        if lever or (ctx.router is not None and knobs.meters_on):
             level = ctx.residency(self.layer)
             r = ctx.router.select(self.layer, logits, probs, level, knobs)
-            return TokenRoute(np.asarray(r.idx, dtype=np.int32), np.asarray(r.weights, dtype=np.float32),
-                              np.asarray(r.true_topk, dtype=np.int32), np.asarray(r.level, dtype=np.int8),
-                              np.asarray(r.swapped, dtype=np.bool_))
+            if lever:
+                return TokenRoute(np.asarray(r.idx, dtype=np.int32), np.asarray(r.weights, dtype=np.float32),
+                                  np.asarray(r.true_topk, dtype=np.int32), np.asarray(r.level, dtype=np.int8),
+                                  np.asarray(r.swapped, dtype=np.bool_), probs[np.asarray(r.true_topk)])
+            # meters only: the router measured, the stock path below decides (bit for bit)
         # the stock router: softmax, top-K, optionally renormalise
         idx = np.empty(K, dtype=np.int64)
         topk_desc(probs, K, idx)
@@ -89,7 +98,7 @@ class MoEBlock:
             w = (w / w.sum()).astype(np.float32)
         chosen = idx.astype(np.int32)
         level = ctx.residency(self.layer)[chosen] if ctx.wants_levels else np.zeros(K, dtype=np.int8)
-        return TokenRoute(chosen, w, chosen.copy(), level.astype(np.int8), np.zeros(K, dtype=np.bool_))
+        return TokenRoute(chosen, w, chosen.copy(), level.astype(np.int8), np.zeros(K, dtype=np.bool_), probs[idx])
 
     # -- compute ---------------------------------------------------------------
     def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[TokenRoute]]:
@@ -97,7 +106,9 @@ class MoEBlock:
         T, H = x.shape
         timers = ctx.timers
         t0 = time.perf_counter()
-        logits_all = linear(self.router_w, x).reshape(T, -1)
+        fused = linear(self.w_in, x).reshape(T, -1)
+        E, S = self.cfg.n_experts, self.cfg.shared_inter
+        logits_all = fused[:, :E]
         timers["router"] += time.perf_counter() - t0
         out = np.zeros((T, H), dtype=np.float32)
         routes = []
@@ -108,11 +119,12 @@ class MoEBlock:
             self._experts(x[t], route, out[t], ctx)
             routes.append(route)
             ctx.after_route(self.layer, route, logits_all[t])
-        if self.shared is not None:
+        if self.shared_down is not None:
             t2 = time.perf_counter()
-            shared = self.shared.forward(x)
-            gate = 1.0 / (1.0 + np.exp(-(x @ self.shared_gate[0])))
-            out += (gate[:, None] * shared).astype(np.float32)
+            g, u, sg = fused[:, E:E + S], fused[:, E + S:E + 2 * S], fused[:, E + 2 * S]
+            h = np.ascontiguousarray(g / (1.0 + np.exp(-g)) * u, dtype=np.float32)
+            gate = 1.0 / (1.0 + np.exp(-sg))
+            out += (gate[:, None] * linear(self.shared_down, h)).astype(np.float32)
             timers["shared"] += time.perf_counter() - t2
         return out, routes
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierlab.engine.checkpoint import Checkpoint
+from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace
 
@@ -41,9 +41,13 @@ class Attention:
         self.cfg = cfg
         self.gated = cfg.attn_output_gate
         q_rows = nh * d * (2 if self.gated else 1)
-        self.wq = ckpt.load(p + "q_proj.weight", (q_rows, H))
-        self.wk = ckpt.load(p + "k_proj.weight", (nkv * d, H))
-        self.wv = ckpt.load(p + "v_proj.weight", (nkv * d, H))
+        # q, k and v read the same x: one fused matrix, one pass over it
+        self.w_qkv = fuse_rows([
+            ckpt.load(p + "q_proj.weight", (q_rows, H)),
+            ckpt.load(p + "k_proj.weight", (nkv * d, H)),
+            ckpt.load(p + "v_proj.weight", (nkv * d, H)),
+        ])
+        self.splits = [q_rows, q_rows + nkv * d]
         self.wo = ckpt.load(p + "o_proj.weight", (H, nh * d))
         self.q_norm = ckpt.load_f32(p + "q_norm.weight", (d,))
         self.k_norm = ckpt.load_f32(p + "k_norm.weight", (d,))
@@ -60,16 +64,16 @@ class Attention:
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q_all = linear(self.wq, x)
+        q_all, k, v = np.split(linear(self.w_qkv, x), self.splits, axis=-1)
         if self.gated:
             q_all = q_all.reshape(T, nh, 2 * d)
             q = np.ascontiguousarray(q_all[:, :, :d])
             gate = np.ascontiguousarray(q_all[:, :, d:]).reshape(T, nh * d)
         else:
-            q = q_all.reshape(T, nh, d)
+            q = np.ascontiguousarray(q_all).reshape(T, nh, d)
             gate = None
-        k = linear(self.wk, x).reshape(T, nkv, d)
-        v = linear(self.wv, x).reshape(T, nkv, d)
+        k = np.ascontiguousarray(k).reshape(T, nkv, d)
+        v = np.ascontiguousarray(v).reshape(T, nkv, d)
         zc = cfg.zero_centred_norm
         q = rmsnorm(q, self.q_norm, cfg.rms_eps, zc)
         k = rmsnorm(k, self.k_norm, cfg.rms_eps, zc)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierlab.engine.checkpoint import Checkpoint
+from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.kernels.dense import gated_deltanet, linear
 
@@ -36,10 +36,14 @@ class GatedDeltaNet:
         p = f"layers.{layer}.linear_attn."
         C = 2 * kh * dk + vh * dv
         self.channels = C
-        self.w_qkv = ckpt.load(p + "in_proj_qkv.weight", (C, H))
-        self.w_z = ckpt.load(p + "in_proj_z.weight", (vh * dv, H))
-        self.w_b = ckpt.load(p + "in_proj_b.weight", (vh, H))
-        self.w_a = ckpt.load(p + "in_proj_a.weight", (vh, H))
+        # the four input projections read the same x: one fused matrix, one pass over it
+        self.w_in = fuse_rows([
+            ckpt.load(p + "in_proj_qkv.weight", (C, H)),
+            ckpt.load(p + "in_proj_z.weight", (vh * dv, H)),
+            ckpt.load(p + "in_proj_b.weight", (vh, H)),
+            ckpt.load(p + "in_proj_a.weight", (vh, H)),
+        ])
+        self.splits = np.cumsum([C, vh * dv, vh])
         self.conv_w = np.ascontiguousarray(ckpt.load_f32(p + "conv1d.weight", (C, 1, cfg.conv_kernel)).reshape(C, cfg.conv_kernel))
         self.a_log = ckpt.load_f32(p + "A_log", (vh,))
         self.dt_bias = ckpt.load_f32(p + "dt_bias", (vh,))
@@ -56,10 +60,7 @@ class GatedDeltaNet:
     def forward(self, x: np.ndarray, start: int, state: DeltaNetState) -> np.ndarray:
         cfg = self.cfg
         T = x.shape[0]
-        mixed = linear(self.w_qkv, x)
-        z = linear(self.w_z, x)
-        b = linear(self.w_b, x)
-        a = linear(self.w_a, x)
+        mixed, z, b, a = np.split(linear(self.w_in, x), self.splits, axis=-1)
         out = np.empty((T, cfg.lin_v_heads * cfg.lin_v_dim), dtype=np.float32)
         gated_deltanet(
             np.ascontiguousarray(mixed), state.conv, self.conv_w, np.ascontiguousarray(z),
