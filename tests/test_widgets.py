@@ -348,3 +348,16 @@ async def test_meters_show_values_sparklines_and_plot_marks():
         plot_text = app.query_one(MeterPlot).render().plain
         assert "hit rate" in plot_text
         assert history.marks[0].token == 10
+
+
+async def test_heatmap_lines_never_wrap_in_a_narrow_pane():
+    data = sample_data(6, 16)
+    app = HeatmapApp(data)
+    async with app.run_test(size=(30, 12)) as pilot:
+        heatmap = app.query_one(ExpertHeatmap)
+        heatmap.hover = (0, 3)
+        await pilot.pause()
+        lines = heatmap.render().plain.split("\n")
+        assert len(lines) == 12
+        assert all(len(line) <= 30 for line in lines)
+        assert lines[-1].startswith("L0 E3") and lines[-1].endswith("…")

@@ -117,8 +117,8 @@ def cell_colors(data: HeatmapData, mode: str) -> np.ndarray:
 
 LEGENDS = {
     "residency": [(LEVEL_COLORS[2], "GPU"), (LEVEL_COLORS[1], "RAM"), (LEVEL_COLORS[0], "disk"),
-                  (CHOSEN_COLORS[2], "now:GPU"), (CHOSEN_COLORS[1], "now:RAM"), (CHOSEN_COLORS[0], "now:miss"),
-                  (SWAPPED_COLOR, "swapped")],
+                  (CHOSEN_COLORS[2], "now GPU"), (CHOSEN_COLORS[1], "now RAM"), (CHOSEN_COLORS[0], "miss"),
+                  (SWAPPED_COLOR, "swap")],
     "heat": [(HEAT_RAMP[1], "cold"), (HEAT_RAMP[4], "warm"), (HEAT_RAMP[-1], "hottest in layer"), (HEAT_RAMP[0], "never")],
     "token": [(CHOSEN_COLORS[2], "GPU"), (CHOSEN_COLORS[1], "RAM hit"), (CHOSEN_COLORS[0], "disk miss"),
               (SWAPPED_COLOR, "swapped in")],
@@ -467,10 +467,15 @@ class ExpertHeatmap(Widget, can_focus=True):
         for _ in range(self.grid_height - len(visible)):
             text.append("\n")
         legend_style = self.get_component_rich_style("heatmap--legend")
-        text.append(f"{self.mode}: ", legend_style)
+        legend = Text(f"{self.mode}: ", legend_style, no_wrap=True)
         for color, label in LEGENDS[self.mode]:
-            text.append("■", Style(color=color))
-            text.append(f"{label} ", legend_style)
+            legend.append("■", Style(color=color))
+            legend.append(f"{label} ", legend_style)
+        info = Text(self.info_text(), self.get_component_rich_style("heatmap--info"), no_wrap=True)
+        if self.size.width:
+            legend.truncate(self.size.width)
+            info.truncate(self.size.width, overflow="ellipsis")
+        text.append_text(legend)
         text.append("\n")
-        text.append(self.info_text(), self.get_component_rich_style("heatmap--info"))
+        text.append_text(info)
         return text
