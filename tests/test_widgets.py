@@ -347,6 +347,7 @@ async def test_meters_show_values_sparklines_and_plot_marks():
         assert len(app.query_one("#meter-ram_hit Sparkline", Sparkline).data) == 30
         plot_text = app.query_one(MeterPlot).render().plain
         assert "hit rate" in plot_text
+        assert "ROUTE_J=1" in plot_text  # the knob change is marked where it happened
         assert history.marks[0].token == 10
 
 

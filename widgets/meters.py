@@ -152,8 +152,9 @@ class MeterPlot(PlotextPlot):
             plt.plot(tokens, history.values("tok_s"), label="tok/s", marker="braille", color="orange", yside="right")
             first = tokens[0]
             for mark in history.marks:
-                if mark.token >= first:
-                    plt.vline(mark.token, "magenta")
+                if mark.token >= first:  # a vertical line (a two-point series) and the change's label
+                    plt.plot([mark.token, mark.token], [0, 100], marker="braille", color="magenta")
+                    plt.text(mark.label, mark.token, 96, color="magenta", alignment="left")
             plt.xlim(first, max(tokens[-1], first + 1))
         plt.ylim(0, 100, yside="left")
         self.refresh()
