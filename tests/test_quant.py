@@ -188,3 +188,27 @@ def test_zero_weight_expert_leaves_y_unchanged(rng):
     y = np.arange(hidden, dtype=np.float32)
     K.expert_forward_int8(blob, hidden, inter, rng.standard_normal(hidden).astype(np.float32), y, 1.0)
     np.testing.assert_array_equal(y, np.arange(hidden, dtype=np.float32))
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+def test_matvec_with_an_odd_number_of_rows(rng, kind):
+    """The kernels step two rows at a time; the last odd row has its own path."""
+    rows, cols = 67, 128
+    w = rng.standard_normal((rows, cols))
+    x = rng.standard_normal(cols).astype(np.float32)
+    out = np.full(rows, np.nan, dtype=np.float32)
+    if kind == "fp32":
+        w32 = w.astype(np.float32)
+        K.matvec_fp32(w32, x, out)
+        ref = w32.astype(np.float64) @ x
+    elif kind == "bf16":
+        wb = w.astype(ml_dtypes.bfloat16)
+        K.matvec_bf16(wb.view(np.uint16), x, out)
+        ref = wb.astype(np.float64) @ x
+    else:
+        bits = int(kind[3:])
+        q, s = Q.quantize(w, bits)
+        fn = K.matvec_int4 if bits == 4 else K.matvec_int8
+        fn(Q.pack_int4(q) if bits == 4 else q, s, x, out)
+        ref = Q.dequantize(q, s) @ x.astype(np.float64)
+    _close(out, ref)

@@ -16,9 +16,13 @@ Blob layouts (uint8 buffers, one expert each):
 - int8 / int4: the tierlab container blob, see engine/quant.py and
   docs/formats.md.
 
-Public names: ``matvec_fp32/bf16/int8/int4`` (out[:] = W @ x) and
+Public names (plain Python entry points; the compiled passes under them
+release the GIL, so a loader thread keeps running while an expert computes):
+``matvec_fp32/bf16/int8/int4`` (out[:] = W @ x, C-contiguous operands) and
 ``expert_forward_fp32/bf16/int8/int4(blob, hidden, inter, x, y, w)``
-(y += w * down(silu(gate x) * (up x))). All release the GIL.
+(y += w * down(silu(gate x) * (up x)); x, y float32[H]; the blob may be
+longer than one expert, e.g. a RAM slot). ``EXPERT_FORWARD`` maps kind -> function.
+Measured speeds and what each trick bought: docs/benchmarks.md, "Kernels".
 """
 
 from __future__ import annotations
@@ -282,6 +286,15 @@ def _store(mode, out, ra, a, rb, b, w):
 
 
 @njit(**_SERIAL)
+def _store_last(mode, out, r, v, w):
+    """The odd last row of a SET/ADD pass."""
+    if mode == ADD:
+        out[r] += w * v
+    else:
+        out[r] = v
+
+
+@njit(**_SERIAL)
 def _steps(mode, rows):
     return rows if mode == GATE_UP else rows // 2
 
@@ -297,7 +310,7 @@ def _pass_fp32(a, b, x, out, mode, w):
     if mode != GATE_UP and a.shape[0] % 2:
         r = a.shape[0] - 1
         v = _dot_fp32(a, r, x)
-        _store(mode, out, r, v, r, np.float32(0.0), wf) if mode == ADD else _store(mode, out, r, v, r, v, wf)
+        _store_last(mode, out, r, v, wf)
 
 
 @njit(**_PARALLEL)
@@ -311,7 +324,7 @@ def _pass_bf16(a, b, x, out, mode, w):
     if mode != GATE_UP and a.shape[0] % 2:
         r = a.shape[0] - 1
         v = _dot_bf16(a, r, x)
-        _store(mode, out, r, v, r, np.float32(0.0), wf) if mode == ADD else _store(mode, out, r, v, r, v, wf)
+        _store_last(mode, out, r, v, wf)
 
 
 @njit(**_PARALLEL)
@@ -325,7 +338,7 @@ def _pass_int8(qa, sa, qb, sb, x, out, mode, w):
     if mode != GATE_UP and qa.shape[0] % 2:
         r = qa.shape[0] - 1
         v = _dot_int8(qa, sa, r, x)
-        _store(mode, out, r, v, r, np.float32(0.0), wf) if mode == ADD else _store(mode, out, r, v, r, v, wf)
+        _store_last(mode, out, r, v, wf)
 
 
 @njit(**_PARALLEL)
@@ -340,7 +353,7 @@ def _pass_int4(qa, sa, qb, sb, x, out, mode, w):
     if mode != GATE_UP and qa.shape[0] % 2:
         r = qa.shape[0] - 1
         v = _dot_int4(qa, sa, r, x, xsum8)
-        _store(mode, out, r, v, r, np.float32(0.0), wf) if mode == ADD else _store(mode, out, r, v, r, v, wf)
+        _store_last(mode, out, r, v, wf)
 
 
 # --- public entry points --------------------------------------------------------------------
