@@ -6,6 +6,7 @@ import json
 
 from tierlab.app.engine_args import add_model_args, open_engine, print_notices
 from tierlab.engine.evaluate import format_report, read_ref, run_eval
+from tierlab.engine.session import EngineLog
 
 
 def add_parser(subparsers) -> None:
@@ -14,13 +15,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ref", required=True, help="reference file (ref.json)")
     p.add_argument("--ppl", action="store_true", help="also teacher-force the reference for TF-NLL")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--log", metavar="FILE", help="record a session log (JSON lines) of the generation")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     prompt, full = read_ref(args.ref)
     engine = open_engine(args, with_tokenizer=False)
-    result = run_eval(engine, prompt, full, ppl=args.ppl)
+    log = EngineLog(engine, args.log) if args.log else None
+    try:
+        result = run_eval(engine, prompt, full, ppl=args.ppl, on_generated=log.detach if log else None)
+    finally:
+        if log is not None:
+            done = "result" in locals()
+            log.close({"ids_match": f"{result['matching']}/{result['total']}", "tf_nll": result["tf_nll"]}
+                      if done else {"aborted": True})
     engine.close()
     print_notices(engine)
     if args.json:

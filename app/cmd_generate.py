@@ -7,6 +7,7 @@ import sys
 
 from tierlab.app.engine_args import add_model_args, open_engine, print_notices
 from tierlab.engine.errors import ModelError
+from tierlab.engine.session import EngineLog
 
 
 def add_parser(subparsers) -> None:
@@ -19,6 +20,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and meters")
+    p.add_argument("--log", metavar="FILE", help="record a session log (JSON lines)")
     p.set_defaults(run=run)
 
 
@@ -31,6 +33,7 @@ def run(args) -> int:
     prompt_ids = tok.encode(text)
     if not prompt_ids:
         raise ModelError("the prompt encodes to no tokens")
+    log = EngineLog(engine, args.log) if args.log else None
     out_ids: list[int] = []
     printed = ""
     eos = set(engine.eos_ids())
@@ -44,6 +47,8 @@ def run(args) -> int:
             sys.stdout.flush()
             printed = text_so_far
     meters = engine.meters()
+    if log is not None:
+        log.close({"generated": len(out_ids)})
     engine.close()
     print_notices(engine)
     if args.json:

@@ -74,8 +74,12 @@ def teacher_forced_nll(engine: Engine, prompt: list[int], full: list[int]) -> tu
     return total / max(n, 1), n
 
 
-def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = False) -> dict:
-    """One evaluation run: matching, optional TF-NLL, and every meter."""
+def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = False,
+             on_generated=None) -> dict:
+    """One evaluation run: matching, optional TF-NLL, and every meter.
+
+    `on_generated()` is called after the generation, before teacher forcing
+    (a session log stops recording there)."""
     engine.reset_meters()
     n = len(full) - len(prompt)
     t0 = time.perf_counter()
@@ -89,8 +93,11 @@ def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = Fal
     from tierlab.engine.routing import format_footer
 
     result["route_footer"] = format_footer(engine.knobs.snapshot(), engine.router.meters)
+    if on_generated is not None:
+        on_generated()
     if ppl:
-        # the meters above are the generation's; teacher forcing runs after they were taken
+        # the meters above are the generation's; teacher forcing starts cold, as a separate run would
+        engine.cold_start()
         nll, count = teacher_forced_nll(engine, prompt, full)
         result["tf_nll"] = nll
         result["ppl"] = math.exp(nll)

@@ -164,6 +164,20 @@ class ExpertCache:
             self._load(layer, expert, s)
         return must_load
 
+    def clear(self) -> None:
+        """Empty every slot (a cold start for the next run); counters are kept."""
+        with self._cond:
+            for layer, st in enumerate(self._layers):
+                if st is None:
+                    continue
+                while np.any(st["busy"]) or np.any(st["loading"]):
+                    self._cond.wait()
+                st["expert"][:] = -1
+                st["slot_of"][:] = -1
+                st["last"][:] = 0
+                st["pinned"][:] = False
+            self.in_ram[:] = 0
+
     def pin(self, layer: int, experts) -> None:
         """Mark these experts' slots as pinned (they are evicted last)."""
         st = self._layers[layer]

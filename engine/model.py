@@ -129,6 +129,22 @@ class Engine:
         if self.pilot is not None:
             self.pilot.reset_meters()
 
+    def cold_start(self) -> None:
+        """Make the next run independent of earlier ones: empty RAM cache, fresh router and
+        prefetch state, no pins, zeroed meters. The GPU tier keeps its warmstart residents."""
+        if self.pilot is not None:
+            self.pilot.close()
+            self.pilot = None
+        self.cache.clear()
+        self._hot_pinned = False
+        if self.router is not None:
+            from tierlab.engine.routing import Router
+
+            cfg = self.config
+            self.router = Router(cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
+        self.reset_meters()
+        self.reset()
+
     # -- the forward pass -------------------------------------------------------
     def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False, phase: str | None = None) -> np.ndarray:
         """Feed T tokens at the current position; logits of the last (or all) positions."""

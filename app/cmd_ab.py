@@ -1,0 +1,45 @@
+"""`tierlab ab`: the seed's A/B table, rows of settings side by side in one run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tierlab.engine.ab import run_ab
+from tierlab.engine.abtable import render_markdown, render_text
+from tierlab.engine.errors import TierlabError
+from tierlab.engine.evaluate import read_ref
+from tierlab.app.engine_args import DEFAULT_MODEL
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "ab", help="A/B rows of knob settings against a reference, as one table",
+        description="Each --row is NAME=VALUE words: knobs (CACHE_ROUTE, ROUTE_J, ...) or engine settings "
+                    "(CACHE, TIER, TIER_GB, TIER_DEVICE, HEAT_FILE, TIER_NO_WARMSTART); 'off' = all defaults.")
+    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL))
+    p.add_argument("--ref", required=True, help="reference file (ref.json)")
+    p.add_argument("--row", action="append", required=True, metavar="SETTINGS", help='e.g. "CACHE_ROUTE=1 ROUTE_J=4"')
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up (default 3)")
+    p.add_argument("--cache", type=int, default=None, metavar="N", help="RAM cache slots per layer for every row")
+    p.add_argument("--no-tf", action="store_true", help="skip the teacher-forced NLL")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.repeat < 0:
+        raise TierlabError("--repeat must be >= 0")
+    prompt, full = read_ref(args.ref)
+    default_engine = {"CACHE": str(args.cache)} if args.cache else {}
+    results = run_ab(args.model, prompt, full, args.row, repeat=args.repeat, default_engine=default_engine,
+                     tf_nll=not args.no_tf, progress=lambda s: print(f"  {s}", file=sys.stderr))
+    rows = [r.as_row() for r in results]
+    if args.json:
+        print(json.dumps(rows))
+    elif args.markdown:
+        print(render_markdown(rows))
+    else:
+        print(render_text(rows))
+    return 0

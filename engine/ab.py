@@ -1,0 +1,139 @@
+"""A/B runs as in the seed PR: rows of settings, one table.
+
+Protocol (the seed's): every row starts cold (empty RAM cache, fresh router
+state); the first run of each row is a discarded warm-up whose routing
+meters are kept (they are deterministic); then `repeat` rounds run the rows
+interleaved, so a noisy neighbour hurts every row alike, and the timing
+columns are their median with a min-max band; finally each row
+teacher-forces the reference once for its TF-NLL.
+
+A row is `NAME=VALUE` words. Knobs (CACHE_ROUTE, ROUTE_J, ...) change per
+run on one engine; engine settings (CACHE, TIER, TIER_GB, TIER_DEVICE,
+HEAT_FILE, TIER_NO_WARMSTART) get an engine of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tierlab.engine.errors import TierlabError
+from tierlab.engine.evaluate import greedy_decode, teacher_forced_nll
+from tierlab.engine.knobs import SPEC_BY_NAME, Knobs, KnobValues
+
+ENGINE_SETTINGS = ("CACHE", "TIER", "TIER_GB", "TIER_DEVICE", "HEAT_FILE", "TIER_NO_WARMSTART")
+
+
+@dataclass
+class RowSpec:
+    label: str
+    knobs: KnobValues
+    engine: tuple[tuple[str, str], ...] = ()  # sorted engine settings
+
+
+@dataclass
+class RowResult:
+    spec: RowSpec
+    meters: dict = field(default_factory=dict)
+    tok_s: list[float] = field(default_factory=list)
+    fetch_ms: list[float] = field(default_factory=list)
+    compute_ms: list[float] = field(default_factory=list)
+    matching: int = 0
+    total: int = 0
+    tf_nll: float | None = None
+
+    def as_row(self) -> dict:
+        m = self.meters
+        lever = self.spec.knobs.CACHE_ROUTE
+        meters_on = self.spec.knobs.meters_on
+        return {
+            "row": self.spec.label,
+            "tok_s": self.tok_s, "fetch_ms": self.fetch_ms, "compute_ms": self.compute_ms,
+            "ram_hit": m["ram_hit"] / 100.0,
+            "vram_hit": m["vram_hit"] / 100.0 if m.get("gpu_tier") else None,
+            "oracle_hit": m["oracle_hit"] / 100.0,
+            "swap": m["swap"] / 100.0 if lever else None,
+            "agree": m["route_agree"] / 100.0 if meters_on else None,
+            "kl": m["route_kl"] if meters_on else None,
+            "ids_match": f"{self.matching}/{self.total}",
+            "tf_nll": self.tf_nll,
+        }
+
+
+def parse_row(text: str, default_engine: dict[str, str]) -> RowSpec:
+    knob_env: dict[str, str] = {}
+    engine = dict(default_engine)
+    for word in text.split():
+        if word.lower() in ("off", "default", "baseline"):
+            continue
+        name, sep, value = word.partition("=")
+        if not sep:
+            raise TierlabError(f"row {text!r}: {word!r} is not NAME=VALUE")
+        if name in SPEC_BY_NAME:
+            knob_env[name] = value
+        elif name in ENGINE_SETTINGS:
+            engine[name] = value
+        else:
+            raise TierlabError(f"row {text!r}: unknown setting {name}")
+    knobs = Knobs.from_env(knob_env).snapshot()
+    return RowSpec(text.strip() or "off", knobs, tuple(sorted(engine.items())))
+
+
+def _open(model_dir: Path, settings: tuple[tuple[str, str], ...]):
+    from tierlab.engine.model import load_engine
+    from tierlab.engine.tiering import TierOptions
+
+    env = dict(settings)
+    cache = int(env["CACHE"]) if env.get("CACHE") else None
+    tier = TierOptions.from_env({k: v for k, v in env.items() if k != "CACHE"})
+    return load_engine(model_dir, cache_slots=cache, knobs=Knobs(), with_tokenizer=False, tier=tier)
+
+
+def _run_once(engine, spec: RowSpec, prompt, full) -> tuple[dict, list[int], dict]:
+    engine.knobs = Knobs(spec.knobs)
+    engine.cold_start()
+    generated, decode = greedy_decode(engine, prompt, len(full) - len(prompt))
+    from tierlab.engine.evaluate import collect_meters
+
+    meters = collect_meters(engine, decode)
+    meters["gpu_tier"] = engine.tier is not None
+    return meters, generated, decode
+
+
+def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts: list[str], repeat: int = 3,
+           default_engine: dict[str, str] | None = None, tf_nll: bool = True,
+           progress: Callable[[str], None] = lambda s: None) -> list[RowResult]:
+    """Run every row; returns one RowResult per row, in the order given."""
+    specs = [parse_row(t, default_engine or {}) for t in row_texts]
+    engines: dict = {}
+    try:
+        for spec in specs:
+            if spec.engine not in engines:
+                engines[spec.engine] = _open(Path(model_dir), spec.engine)
+        results = [RowResult(s) for s in specs]
+        reference = full[len(prompt):]
+        for res in results:  # warm-up: discarded timings, kept routing meters
+            progress(f"warm-up: {res.spec.label}")
+            meters, generated, _ = _run_once(engines[res.spec.engine], res.spec, prompt, full)
+            res.meters = meters
+            res.total = len(reference)
+            res.matching = sum(int(a == b) for a, b in zip(generated, reference))
+        for r in range(repeat):
+            for res in results:
+                progress(f"round {r + 1}/{repeat}: {res.spec.label}")
+                meters, _, _ = _run_once(engines[res.spec.engine], res.spec, prompt, full)
+                res.tok_s.append(meters["tok_s"])
+                res.fetch_ms.append(meters["fetch_ms"])
+                res.compute_ms.append(meters["compute_ms"])
+        if tf_nll:
+            for res in results:
+                progress(f"TF-NLL: {res.spec.label}")
+                engine = engines[res.spec.engine]
+                engine.knobs = Knobs(res.spec.knobs)
+                engine.cold_start()
+                res.tf_nll, _ = teacher_forced_nll(engine, prompt, full)
+        return results
+    finally:
+        for engine in engines.values():
+            engine.close()
