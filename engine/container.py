@@ -414,6 +414,8 @@ def convert(
     model_dir, out = Path(model_dir), Path(out_dir)
     if bits not in (4, 8):
         raise ModelError(f"--bits must be 4 or 8, got {bits}")
+    if group != GROUP:
+        raise ModelError(f"--group must be {GROUP} (the only group size the kernels support), got {group}")
     dims = read_moe_dims(model_dir)
     try:
         check_dims(dims.hidden, dims.inter, group)

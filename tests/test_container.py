@@ -237,3 +237,38 @@ def test_inspect_prints_summaries(containers, checkpoints, capsys):
     assert cli_main(["inspect", str(checkpoints["fused_vl"][0])]) == 0
     text = capsys.readouterr().out
     assert "fused layout" in text and "model.language_model." in text
+
+
+def test_only_group_64_is_accepted(checkpoints, tmp_path):
+    with pytest.raises(ModelError, match="--group must be 64"):
+        convert(checkpoints["qwen3_moe"][0], tmp_path / "g", group=32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+def test_synthetic_config_has_the_real_per_layer_shapes(arch):
+    from tierlab.app.cmd_make_synthetic import synthetic_config
+
+    cfg = synthetic_config(arch, layers=2, experts=16, top_k=8, vocab=4096)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size) == (2048, 2, 16, 8, 4096)
+    if arch == "qwen3_5_moe":
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.moe_intermediate_size) == (16, 2, 256, 512)
+        assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim) == (16, 32, 128)
+        assert cfg.shared_expert_intermediate_size == 512 and "full_attention" in cfg.layer_types
+        assert cfg.rope_parameters["rope_theta"] == 1e7 and cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    else:
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.moe_intermediate_size) == (32, 4, 128, 768)
+        assert cfg.norm_topk_prob is True
+
+
+def test_synthetic_tokenizer_round_trips_bytes(tmp_path):
+    from tokenizers import Tokenizer
+
+    from tierlab.app.cmd_make_synthetic import write_tokenizer
+
+    write_tokenizer(tmp_path, 512)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 512
+    text = "héllo <|im_end|> wörld\n"
+    ids = tok.encode(text).ids
+    assert tok.token_to_id("<|im_end|>") in ids and tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.encode("A").ids == [65]  # byte tokens sit at their byte values
