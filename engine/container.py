@@ -390,7 +390,10 @@ def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | 
     return offset
 
 
-def _check_out_dir(out: Path, force: bool) -> None:
+def _check_out_dir(out: Path, force: bool, model_dir: Path) -> None:
+    src, dst = model_dir.resolve(), out.resolve()
+    if dst == src or dst in src.parents or src in dst.parents:
+        raise ModelError("the output folder must not be, contain or sit inside the model folder", out)
     if out.exists() and not out.is_dir():
         raise ModelError("exists and is not a folder", out)
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -421,7 +424,7 @@ def convert(
         check_dims(dims.hidden, dims.inter, group)
     except ValueError as exc:
         raise ModelError(str(exc), model_dir / "config.json") from None
-    _check_out_dir(out, force)
+    _check_out_dir(out, force, model_dir)
     ckpt = Checkpoint(model_dir)
     prefix = find_layer_prefix(ckpt.names())
     reader = ExpertReader(ckpt, prefix, dims)

@@ -272,3 +272,12 @@ def test_synthetic_tokenizer_round_trips_bytes(tmp_path):
     ids = tok.encode(text).ids
     assert tok.token_to_id("<|im_end|>") in ids and tok.decode(ids, skip_special_tokens=False) == text
     assert tok.encode("A").ids == [65]  # byte tokens sit at their byte values
+
+
+def test_never_overwrites_the_source_checkpoint(checkpoints):
+    folder = checkpoints["qwen3_moe"][0]
+    with pytest.raises(ModelError, match="model folder"):
+        convert(folder, folder, force=True)
+    with pytest.raises(ModelError, match="model folder"):
+        convert(folder, folder / "inside", force=True)
+    assert (folder / "config.json").is_file()
