@@ -81,15 +81,6 @@ class MoEBlock:
         probs = np.empty(cfg.n_experts, dtype=np.float32)
         softmax_row(logits, probs)
         knobs = ctx.knobs
-        lever = ctx.router is not None and knobs.CACHE_ROUTE
-        if lever or (ctx.router is not None and knobs.meters_on):
-            level = ctx.residency(self.layer)
-            r = ctx.router.select(self.layer, logits, probs, level, knobs)
-            if lever:
-                return TokenRoute(np.asarray(r.idx, dtype=np.int32), np.asarray(r.weights, dtype=np.float32),
-                                  np.asarray(r.true_topk, dtype=np.int32), np.asarray(r.level, dtype=np.int8),
-                                  np.asarray(r.swapped, dtype=np.bool_), probs[np.asarray(r.true_topk)])
-            # meters only: the router measured, the stock path below decides (bit for bit)
         # the stock router: softmax, top-K, optionally renormalise
         idx = np.empty(K, dtype=np.int64)
         topk_desc(probs, K, idx)
@@ -97,6 +88,17 @@ class MoEBlock:
         if cfg.norm_topk_prob:
             w = (w / w.sum()).astype(np.float32)
         chosen = idx.astype(np.int32)
+        lever = ctx.router is not None and knobs.CACHE_ROUTE
+        if lever or (ctx.router is not None and knobs.meters_on):
+            level = ctx.residency(self.layer)
+            r = ctx.router.select(self.layer, logits, probs, level, knobs)
+            # a lever that substitutes nothing changes nothing, bit for bit: keep the stock weights
+            if lever and (np.any(r.swapped) or not np.array_equal(np.asarray(r.idx), chosen)):
+                return TokenRoute(np.asarray(r.idx, dtype=np.int32), np.asarray(r.weights, dtype=np.float32),
+                                  np.asarray(r.true_topk, dtype=np.int32), np.asarray(r.level, dtype=np.int8),
+                                  np.asarray(r.swapped, dtype=np.bool_), probs[np.asarray(r.true_topk)])
+            return TokenRoute(chosen, w, chosen.copy(), level[chosen].astype(np.int8), np.zeros(K, dtype=np.bool_),
+                              probs[idx])
         level = ctx.residency(self.layer)[chosen] if ctx.wants_levels else np.zeros(K, dtype=np.int8)
         return TokenRoute(chosen, w, chosen.copy(), level.astype(np.int8), np.zeros(K, dtype=np.bool_), probs[idx])
 
