@@ -35,7 +35,7 @@ class KnobsPanel(VerticalScroll):
     """Switches, select and sliders for the routing levers and the RAM cache size."""
 
     DEFAULT_CSS = """
-    KnobsPanel { height: auto; max-height: 100%; }
+    KnobsPanel { height: auto; max-height: 100%; overflow-x: hidden; scrollbar-size-vertical: 1; }
     KnobsPanel > Button { width: 1fr; margin-top: 0; }
     """
 
@@ -71,7 +71,7 @@ class KnobsPanel(VerticalScroll):
         yield Knob(CACHE_SLOTS, 1, max(1, self.n_experts), value=self.cache_slots, default=self.cache_slots, integer=True,
                    big_step=max(1, self.n_experts // 8), help="RAM cache slots per layer (experts kept in memory)",
                    id=knob_id(CACHE_SLOTS))
-        yield Button("Reset knobs to defaults", id="reset-knobs", compact=True)
+        yield Button("Reset to defaults", id="reset-knobs", compact=True)
 
     def configure(self, top_k: int, n_experts: int, cache_slots: int) -> None:
         """Fit the model-dependent ranges once the engine is known."""

@@ -56,7 +56,7 @@ class TierlabApp(App):
 
     TITLE = "tierlab"
     CSS_PATH = "tierlab.tcss"
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-tiny"), (100, "-narrow"), (140, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
 
     BINDINGS = [
