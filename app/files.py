@@ -7,6 +7,8 @@ names that sort by time, so the sessions screen can list them newest first.
 from __future__ import annotations
 
 import datetime as _dt
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,3 +51,41 @@ def list_logs(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     return sorted(folder.glob(f"*{LOG_SUFFIX}"), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+
+
+@dataclass(frozen=True)
+class LogListing:
+    """What the sessions list shows of a log without reading all of it."""
+
+    path: Path
+    knobs: str  # the knobs that differ from their defaults at the start ("lever off" if none)
+    records: int  # lines after the header: tokens, knob changes and the summary
+    size: int
+    modified: float
+
+
+def describe_log(path: Path) -> LogListing:
+    """Read a log's header line and count its records (a damaged header reads as "not a session log")."""
+    from tierlab.engine.abtable import knob_label
+
+    stat = path.stat()
+    knobs = "not a session log"
+    records = 0
+    try:
+        with open(path, "rb") as handle:
+            header = json.loads(handle.readline(1 << 20).decode("utf-8"))
+            if isinstance(header, dict) and header.get("type") == "header":
+                knobs = knob_label(header.get("knobs") or {})
+            records = sum(1 for line in handle if line.strip())
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    return LogListing(path, knobs, records, stat.st_size, stat.st_mtime)
+
+
+def list_heat_files(*folders: Path) -> list[str]:
+    """Heat profiles (``*.heat``) in the given folders, for path suggestions."""
+    found: list[str] = []
+    for folder in folders:
+        if folder.is_dir():
+            found.extend(str(p) for p in sorted(folder.glob(f"*{HEAT_SUFFIX}")))
+    return found

@@ -16,7 +16,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
+from textual.suggester import SuggestFromList
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static
+
+from tierlab.app.files import list_heat_files
 
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.heat import HeatProfile, LayerDiff, diff
@@ -108,10 +111,12 @@ class HeatInspector(Screen):
         self.initial = initial
 
     def compose(self) -> ComposeResult:
+        known = list_heat_files(Path.cwd(), self.app.sessions_dir)  # type: ignore[attr-defined]
+        suggester = SuggestFromList(known, case_sensitive=True)
         yield Header()
         with Horizontal(id="heat-inputs"):
-            yield Input(placeholder="heat profile A (path)", id="heat-path-a")
-            yield Input(placeholder="profile B to compare (optional)", id="heat-path-b")
+            yield Input(placeholder="heat profile A (path; → completes)", id="heat-path-a", suggester=suggester)
+            yield Input(placeholder="profile B to compare (optional)", id="heat-path-b", suggester=suggester)
             yield Button("Load", id="heat-load", variant="primary", compact=True)
             yield Input(placeholder="save session heat to… (empty = new file)", id="heat-save-path")
             yield Button("Save", id="heat-save", compact=True)

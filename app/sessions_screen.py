@@ -18,7 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
-from tierlab.app.files import list_logs, stamped_path
+from tierlab.app.files import describe_log, list_logs, stamped_path
 from tierlab.engine import abtable
 from tierlab.engine.errors import TierlabError
 
@@ -82,7 +82,7 @@ class SessionsScreen(Screen):
         self.sub_title = "sessions & A/B"
         self.query_one("#sessions-folder", Input).value = str(self.app.sessions_dir)  # type: ignore[attr-defined]
         table = self.query_one("#sessions-list", DataTable)
-        for label in ("pick", "log", "size", "modified"):
+        for label in ("pick", "log", "knobs at start", "records", "modified"):
             table.add_column(label, key=label)
         self.action_reload()
         table.focus()
@@ -94,9 +94,9 @@ class SessionsScreen(Screen):
         table.clear()
         self.logs = list_logs(self.folder)
         for path in self.logs:
-            stat = path.stat()
-            when = _dt.datetime.fromtimestamp(stat.st_mtime).strftime("%Y-%m-%d %H:%M:%S")
-            table.add_row(self._pick_mark(path), path.name, f"{stat.st_size:,}", when, key=str(path))
+            listing = describe_log(path)
+            when = _dt.datetime.fromtimestamp(listing.modified).strftime("%Y-%m-%d %H:%M:%S")
+            table.add_row(self._pick_mark(path), path.name, listing.knobs, f"{listing.records:,}", when, key=str(path))
         if not self.logs:
             self._status(f"no session logs in {self.folder} yet: press r to record one")
 
