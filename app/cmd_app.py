@@ -29,6 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--sessions", type=Path, default=Path("tierlab-sessions"), metavar="DIR",
                         help="folder for recorded session logs, saved heat and A/B exports (default: ./tierlab-sessions)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--theme", default=None, metavar="NAME",
+                        help="colour theme, e.g. textual-dark, nord, gruvbox, tokyo-night (ctrl+p lists them all)")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens per reply at start (default 64)")
     parser.set_defaults(run=run)
     return parser
@@ -45,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         sessions_dir=args.sessions,
         seed=args.seed,
         max_tokens=args.max_tokens,
+        theme=args.theme,
     )
     app.run()
     return int(app.return_code or 0)

@@ -87,9 +87,11 @@ class TierlabApp(App):
         sessions_dir: str | Path = "tierlab-sessions",
         seed: int = 0,
         max_tokens: int = 64,
+        theme: str | None = None,
     ) -> None:
         super().__init__()
         self.max_tokens = max_tokens
+        self.start_theme = theme
         self.model_dir = None if model_dir is None else Path(model_dir)
         self.engine_factory = engine_factory
         self.cache_slots = cache_slots
@@ -124,6 +126,12 @@ class TierlabApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        if self.start_theme:
+            if self.start_theme in self.available_themes:
+                self.theme = self.start_theme
+            else:
+                names = ", ".join(sorted(self.available_themes))
+                self.notify(f"no theme {self.start_theme!r}; themes: {names}", severity="warning", timeout=10)
         self.query_one("#chat").border_title = "Chat"
         self.query_one("#heatmap").border_title = "Experts"
         self.query_one("#knobs").border_title = "Knobs"

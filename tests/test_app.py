@@ -487,10 +487,21 @@ def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch):
     monkeypatch.setattr(TierlabApp, "run", lambda self, *a, **k: opened.append(self))
     assert cli.main([]) == 0
     assert opened and opened[0].model_dir == tierlab.ASSETS_DIR / "tiny-moe"
-    assert cli.main(["app", "--model", "/somewhere", "--cache", "3", "--tier", "--heat", "h.heat", "--max-tokens", "9"]) == 0
+    assert cli.main(["app", "--model", "/somewhere", "--cache", "3", "--tier", "--heat", "h.heat", "--max-tokens", "9",
+                     "--theme", "nord"]) == 0
     app = opened[-1]
-    assert (str(app.model_dir), app.cache_slots, app.tier, str(app.heat_path), app.max_tokens) == (
-        "/somewhere", 3, True, "h.heat", 9)
+    assert (str(app.model_dir), app.cache_slots, app.tier, str(app.heat_path), app.max_tokens, app.start_theme) == (
+        "/somewhere", 3, True, "h.heat", 9, "nord")
+
+
+async def test_theme_option(make_app):
+    app = make_app(theme="nord")
+    async with app.run_test(size=(100, 30)) as pilot:
+        assert app.theme == "nord"
+    app = make_app(theme="no-such-theme")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        assert any("no theme" in text for text, _ in app.notes)
 
 
 async def test_a_model_without_chat_template_starts_in_raw_mode(make_app, tiny_model, tmp_path):
