@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 GROUP = 64
@@ -113,6 +114,133 @@ def _wide_vectors(typingctx):
     return types.none(), codegen
 
 
+# --- explicit-vector group loops for int4 and int8 -----------------------------------------
+# LLVM's vectoriser reduces each 64-group to a scalar before scaling it (five
+# shuffles and adds per group and row). Written out by hand, each row keeps a
+# 16-lane accumulator across all groups: per group, the products are summed
+# into 16 lanes with FMAs and then one FMA adds them times the group's scale.
+# int4 per core: 10.9 -> ~15 Gweights/s. Rows are passed as 1-D C-contiguous
+# views; two rows share every load of x.
+
+_I8 = ir.IntType(8)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_V16F = ir.VectorType(_F32, 16)
+_FAST = ("fast",)
+
+
+def _row_view_ok(t, dtype) -> bool:
+    return isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == dtype
+
+
+def _splat(builder, value, vtype):
+    undef = ir.Constant(vtype, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vtype.count), [0] * vtype.count))
+
+
+def _load_vec(builder, base, index, vtype, align):
+    """Load vtype from &base[index]."""
+    return builder.load(builder.bitcast(builder.gep(base, [index]), vtype.as_pointer()), align=align)
+
+
+def _pieces16(builder, vec):
+    """Split a <16k x float> into k <16 x float> (free after legalisation)."""
+    undef = ir.Constant(vec.type, ir.Undefined)
+    n = vec.type.count // 16
+    return [builder.shuffle_vector(vec, undef, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * i, 16 * i + 16))))
+            for i in range(n)]
+
+
+def _dot_pieces(builder, ws, xs):
+    """sum_k ws[k] * xs[k] as one chain of FMAs (16 lanes)."""
+    acc = builder.fmul(ws[0], xs[0], flags=_FAST)
+    for w, x in zip(ws[1:], xs[1:]):
+        acc = builder.fadd(builder.fmul(w, x, flags=_FAST), acc, flags=_FAST)
+    return acc
+
+
+def _pair_group_loop(context, builder, signature, args, bits):
+    """Emit the loop over groups for two rows; returns the (float32, float32) tuple."""
+    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+    qa, sa, qb, sb, x = (a.data for a in arrays[:5])
+    xsum8 = arrays[5].data if bits == 4 else None
+    n_groups = builder.extract_value(arrays[1].shape, 0)
+    zero_v, zero_f = ir.Constant(_V16F, [0.0] * 16), ir.Constant(_F32, 0.0)
+
+    entry = builder.block
+    loop = builder.append_basic_block("groups")
+    done = builder.append_basic_block("groups.done")
+    builder.cbranch(builder.icmp_signed(">", n_groups, ir.Constant(_I64, 0)), loop, done)
+
+    builder.position_at_end(loop)
+    g = builder.phi(_I64)
+    accs = [builder.phi(_V16F), builder.phi(_V16F)]
+    offs = [builder.phi(_F32), builder.phi(_F32)]
+    g.add_incoming(ir.Constant(_I64, 0), entry)
+    for phi, init in zip(accs + offs, [zero_v, zero_v, zero_f, zero_f]):
+        phi.add_incoming(init, entry)
+
+    x0 = builder.mul(g, ir.Constant(_I64, GROUP))
+    x_pieces = [_load_vec(builder, x, builder.add(x0, ir.Constant(_I64, 16 * k)), _V16F, 4) for k in range(4)]
+    new_accs, new_offs = [], []
+    for q, s, acc, off in ((qa, sa, accs[0], offs[0]), (qb, sb, accs[1], offs[1])):
+        scale = builder.load(builder.gep(s, [g]))
+        if bits == 4:
+            raw = _load_vec(builder, q, builder.mul(g, ir.Constant(_I64, 32)), ir.VectorType(_I8, 32), 1)
+            lo = builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * 32)), ir.VectorType(_F32, 32))
+            hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * 32)), ir.VectorType(_F32, 32))
+            ws = _pieces16(builder, lo) + _pieces16(builder, hi)  # elements 0-15, 16-31 | 32-47, 48-63
+            xsum = builder.load(builder.gep(xsum8, [g]))
+            new_offs.append(builder.fadd(builder.fmul(scale, xsum, flags=_FAST), off, flags=_FAST))
+        else:
+            raw = _load_vec(builder, q, x0, ir.VectorType(_I8, 64), 1)
+            ws = _pieces16(builder, builder.sitofp(raw, ir.VectorType(_F32, 64)))
+            new_offs.append(off)
+        part = _dot_pieces(builder, ws, x_pieces)
+        new_accs.append(builder.fadd(builder.fmul(part, _splat(builder, scale, _V16F), flags=_FAST), acc, flags=_FAST))
+    g_next = builder.add(g, ir.Constant(_I64, 1))
+    body_end = builder.block
+    for phi, value in zip([g] + accs + offs, [g_next] + new_accs + new_offs):
+        phi.add_incoming(value, body_end)
+    builder.cbranch(builder.icmp_signed("<", g_next, n_groups), loop, done)
+
+    builder.position_at_end(done)
+    finals = []
+    for acc_new, init, ty in zip(new_accs + new_offs, [zero_v, zero_v, zero_f, zero_f], [_V16F, _V16F, _F32, _F32]):
+        phi = builder.phi(ty)
+        phi.add_incoming(init, entry)
+        phi.add_incoming(acc_new, body_end)
+        finals.append(phi)
+    reduce_fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_F32, [_F32, _V16F]), "llvm.vector.reduce.fadd.v16f32")
+    results = []
+    for acc, off in ((finals[0], finals[2]), (finals[1], finals[3])):
+        total = builder.call(reduce_fn, [ir.Constant(_F32, -0.0), acc], fastmath=_FAST)
+        results.append(builder.fsub(total, off, flags=_FAST))
+    return context.make_tuple(builder, signature.return_type, results)
+
+
+@intrinsic
+def _int4_pair_dot(typingctx, qa, sa, qb, sb, x, xsum8):
+    """(row_a . x, row_b . x) for planar-nibble int4 rows (uint8 views) and their scales."""
+    if not (_row_view_ok(qa, types.uint8) and _row_view_ok(qb, types.uint8)
+            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x, xsum8))):
+        return None
+    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x, xsum8)
+    return sig, lambda context, builder, signature, args: _pair_group_loop(context, builder, signature, args, 4)
+
+
+@intrinsic
+def _int8_pair_dot(typingctx, qa, sa, qb, sb, x):
+    """(row_a . x, row_b . x) for int8 rows and their scales."""
+    if not (_row_view_ok(qa, types.int8) and _row_view_ok(qb, types.int8)
+            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x))):
+        return None
+    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x)
+    return sig, lambda context, builder, signature, args: _pair_group_loop(context, builder, signature, args, 8)
+
+
 # --- row dot products (LLVM inlines them into the parallel loops) --------------------------
 # Each kind has a one-row and a two-row dot. Two rows share every load of x,
 # which is what makes the int4 and bf16 loops fast (~1.3-1.8x over one row);
@@ -177,19 +305,7 @@ def _dot_int8(q, s, r, x):
 @njit(**_SERIAL)
 def _dot2_int8(qa, sa, ra, qb, sb, rb, x):
     _wide_vectors()
-    acc_a = np.float32(0.0)
-    acc_b = np.float32(0.0)
-    for g in range(sa.shape[1]):
-        pa = np.float32(0.0)
-        pb = np.float32(0.0)
-        x0 = g * GROUP
-        for j in range(GROUP):
-            xj = x[x0 + j]
-            pa += _i8_f32(qa[ra, x0 + j]) * xj
-            pb += _i8_f32(qb[rb, x0 + j]) * xj
-        acc_a += sa[ra, g] * pa
-        acc_b += sb[rb, g] * pb
-    return acc_a, acc_b
+    return _int8_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x)
 
 
 @njit(**_SERIAL)
@@ -215,26 +331,9 @@ def _dot_int4(q, s, r, x, xsum8):
 
 @njit(**_SERIAL)
 def _dot2_int4(qa, sa, ra, qb, sb, rb, x, xsum8):
-    """Two int4 rows against one x (see _dot_int4)."""
+    """Two int4 rows against one x (see _dot_int4 for the folded -8)."""
     _wide_vectors()
-    half = GROUP // 2
-    acc_a = np.float32(0.0)
-    acc_b = np.float32(0.0)
-    for g in range(sa.shape[1]):
-        pa = np.float32(0.0)
-        pb = np.float32(0.0)
-        b0 = g * half
-        x0 = g * GROUP
-        for j in range(half):
-            xl = x[x0 + j]
-            xh = x[x0 + half + j]
-            a = qa[ra, b0 + j]
-            b = qb[rb, b0 + j]
-            pa += _lo_nibble_f32(a) * xl + _hi_nibble_f32(a) * xh
-            pb += _lo_nibble_f32(b) * xl + _hi_nibble_f32(b) * xh
-        acc_a += sa[ra, g] * (pa - xsum8[g])
-        acc_b += sb[rb, g] * (pb - xsum8[g])
-    return acc_a, acc_b
+    return _int4_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x, xsum8)
 
 
 @njit(**_SERIAL)
@@ -362,24 +461,29 @@ def _pass_int4(qa, sa, qb, sb, x, out, mode, w):
 # (to ~40 s) for a saving of a few microseconds per call.
 
 
+def _f32(x: np.ndarray) -> np.ndarray:
+    """x as C-contiguous float32 (no copy when it already is)."""
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
 def matvec_fp32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for float32 w [rows, cols] (C-contiguous)."""
-    _pass_fp32(w, w, x, out, SET, 1.0)
+    _pass_fp32(w, w, _f32(x), out, SET, 1.0)
 
 
 def matvec_bf16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for bf16 w stored as uint16 [rows, cols]."""
-    _pass_bf16(w, w, x, out, SET, 1.0)
+    _pass_bf16(w, w, _f32(x), out, SET, 1.0)
 
 
 def matvec_int8(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q int8 [rows, cols], scales float32 [rows, cols/64]."""
-    _pass_int8(q, scales, q, scales, x, out, SET, 1.0)
+    _pass_int8(q, scales, q, scales, _f32(x), out, SET, 1.0)
 
 
 def matvec_int4(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q planar-nibble uint8 [rows, cols/2], scales [rows, cols/64]."""
-    _pass_int4(q, scales, q, scales, x, out, SET, 1.0)
+    _pass_int4(q, scales, q, scales, _f32(x), out, SET, 1.0)
 
 
 def raw_matrices(blob: np.ndarray, kind: str, hidden: int, inter: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -412,7 +516,7 @@ def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
     """y += w * down(silu(gate x) * (up x)) for a raw float32 blob [gate | up | down]."""
     gate, up, down = raw_matrices(blob, "fp32", hidden, inter)
     h = np.empty(inter, np.float32)
-    _pass_fp32(gate, up, x, h, GATE_UP, 1.0)
+    _pass_fp32(gate, up, _f32(x), h, GATE_UP, 1.0)
     _pass_fp32(down, down, h, y, ADD, float(w))
 
 
@@ -420,7 +524,7 @@ def expert_forward_bf16(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
     """y += w * expert(x) for a raw bf16 (uint16) blob [gate | up | down]."""
     gate, up, down = raw_matrices(blob, "bf16", hidden, inter)
     h = np.empty(inter, np.float32)
-    _pass_bf16(gate, up, x, h, GATE_UP, 1.0)
+    _pass_bf16(gate, up, _f32(x), h, GATE_UP, 1.0)
     _pass_bf16(down, down, h, y, ADD, float(w))
 
 
@@ -428,7 +532,7 @@ def expert_forward_int8(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
     """y += w * expert(x) for an int8 container blob."""
     qg, sg, qu, su, qd, sd = quant_matrices(blob, 8, hidden, inter)
     h = np.empty(inter, np.float32)
-    _pass_int8(qg, sg, qu, su, x, h, GATE_UP, 1.0)
+    _pass_int8(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
     _pass_int8(qd, sd, qd, sd, h, y, ADD, float(w))
 
 
@@ -436,7 +540,7 @@ def expert_forward_int4(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
     """y += w * expert(x) for an int4 container blob."""
     qg, sg, qu, su, qd, sd = quant_matrices(blob, 4, hidden, inter)
     h = np.empty(inter, np.float32)
-    _pass_int4(qg, sg, qu, su, x, h, GATE_UP, 1.0)
+    _pass_int4(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
     _pass_int4(qd, sd, qd, sd, h, y, ADD, float(w))
 
 
