@@ -284,7 +284,8 @@ class TierlabApp(App):
             prompt_ids = tokenizer.encode(prompt)
             if not prompt_ids:
                 raise TierlabError("the prompt encodes to no tokens")
-            for token in engine.generate(prompt_ids, seed=self.seed, stop_event=stop, **settings):
+            seed = self.seed + self.replies  # reproducible, yet a repeated prompt can sample differently
+            for token in engine.generate(prompt_ids, seed=seed, stop_event=stop, **settings):
                 produced.append(int(token))
                 now = time.monotonic()
                 if now - last_shown >= STREAM_INTERVAL:
@@ -331,7 +332,7 @@ class TierlabApp(App):
         """Forget the conversation (the engine keeps its caches and meters)."""
         self._stop_event.set()
         self.query_one(ChatPane).clear()
-        if self.engine is not None:
+        if self.engine is not None and not self.generating:  # a running reply ends first; the next one starts afresh
             self.engine.reset()
 
     def action_toggle_raw(self) -> None:

@@ -518,3 +518,28 @@ async def test_a_model_without_chat_template_starts_in_raw_mode(make_app, tiny_m
         assert any("no chat template" in text for text, _ in app.notes)
         reply = await ask(pilot, "abc", max_tokens=2)
         assert reply.role == "raw"
+
+
+async def test_clearing_during_a_reply_stops_it_and_leaves_an_empty_chat(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        real_generate = app.engine.generate
+
+        def slow_generate(*args, **kwargs):
+            for token in real_generate(*args, **kwargs):
+                time.sleep(0.1)
+                yield token
+
+        app.engine.generate = slow_generate
+        app.query_one("#max-tokens", Knob).value = 500
+        app.query_one("#prompt", Input).value = "go on"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.generating and app.watch.tokens_seen > 0)
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: not app.generating, timeout=30)
+        await pilot.pause()
+        chat = app.query_one(ChatPane)
+        assert chat.messages == [] and not list(app.query(ChatMessage))
+        reply = await ask(pilot, "again", max_tokens=2)
+        assert [m["role"] for m in chat.messages] == ["user", "assistant"] and reply.role == "assistant"
