@@ -35,12 +35,40 @@ def _run_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_decode(sub) -> None:
+    from tierlab.app.engine_args import add_model_args
+
+    p = sub.add_parser("decode", help="the engine end to end: prefill and decode tok/s against the roofline")
+    add_model_args(p)
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens (default 32)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="random prompt tokens (default 32)")
+    p.add_argument("--cold", action="store_true", help="drop the page cache before the run (root only)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.set_defaults(bench_run=_run_decode)
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from tierlab.app.engine_args import open_engine, print_notices
+    from tierlab.engine.bench_decode import format_decode_report, run_decode_bench
+
+    engine = open_engine(args, with_tokenizer=False)
+    try:
+        report = run_decode_bench(engine, args.prompt_tokens, args.tokens, cold=args.cold)
+    finally:
+        engine.close()
+    print_notices(engine)
+    if args.cold and not report.cold:
+        print("tierlab: could not drop the page cache (needs root); the run is warm", file=sys.stderr)
+    print(json.dumps(report.to_json()) if args.json else format_decode_report(report))
+    return 0
+
+
 # name -> function(subparsers) that adds the benchmark's parser and sets bench_run
-BENCHES = {"kernels": _add_kernels}
+BENCHES = {"kernels": _add_kernels, "decode": _add_decode}
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks (kernels)", description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser("bench", help="benchmarks (kernels, decode)", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="bench", metavar="BENCH")
     for add in BENCHES.values():
         add(sub)

@@ -1,0 +1,132 @@
+"""`tierlab bench decode`: the engine end to end, next to this machine's roofline.
+
+Decode is bound by reading weights: every token reads the dense weights of
+every layer, the K chosen experts of every MoE layer, the shared experts and
+the LM head. Dividing the memory bandwidth measured in the same run by
+those bytes gives the roofline tok/s; the engine's decode tok/s is reported
+as a share of it. With `--cache` below the expert count, misses come from
+disk: `--cold` drops the page cache first (root only), so the fetch time is
+that of a real disk rather than of memory.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tierlab.engine.model import TIMER_NAMES, Engine
+
+
+def weight_bytes_per_token(engine: Engine) -> dict:
+    """Bytes of weights one decode token reads (dense, experts, lm_head), ignoring caches."""
+    cfg = engine.config
+    dense = 0
+    for layer in engine.layers:
+        for value in vars(layer.mixer).values():
+            if isinstance(value, np.ndarray) and value.ndim == 2:
+                dense += value.nbytes
+        mlp = layer.mlp
+        for value in vars(mlp).values():
+            if isinstance(value, np.ndarray) and value.ndim == 2 and value.base is None:
+                dense += value.nbytes
+        if hasattr(mlp, "mlp"):  # dense MLP layer
+            dense += sum(getattr(mlp.mlp, n).nbytes for n in ("gate", "up", "down"))
+    row = engine.embed.nbytes // max(cfg.vocab_size, 1)
+    lm_head = engine.lm_head.nbytes
+    experts = sum(cfg.moe_layers) * cfg.top_k * engine.cache.source.blob_nbytes
+    return {"dense": int(dense + row), "experts": int(experts), "lm_head": int(lm_head),
+            "total": int(dense + row + experts + lm_head)}
+
+
+def drop_page_cache() -> bool:
+    """Ask the kernel to drop clean page-cache pages (root only); False if not permitted."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class DecodeReport:
+    model: str
+    kind: str
+    cache_slots: int
+    n_experts: int
+    prompt_tokens: int
+    decode_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    ms_per_token: dict = field(default_factory=dict)
+    ram_hit: float = 0.0
+    disk_mb_per_token: float = 0.0
+    weight_bytes: dict = field(default_factory=dict)
+    bandwidth_gbs: float = 0.0
+    roofline_tok_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    cold: bool = False
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def run_decode_bench(engine: Engine, prompt_tokens: int = 32, decode_tokens: int = 32, cold: bool = False,
+                     seed: int = 0, bandwidth_gbs: float | None = None) -> DecodeReport:
+    rng = np.random.default_rng(seed)
+    vocab = engine.config.vocab_size
+    prompt = [int(t) for t in rng.integers(0, vocab, prompt_tokens)]
+    # warm-up: compile every kernel on a short run, then start cold
+    logits = engine.prefill(prompt[:4])
+    engine.step(int(np.argmax(logits)))
+    if bandwidth_gbs is None:
+        from tierlab.engine.bench_kernels import measure_bandwidth
+
+        bandwidth_gbs = measure_bandwidth(256 * 2**20, 5)[0]
+    engine.cold_start()
+    dropped = drop_page_cache() if cold else False
+    t0 = time.perf_counter()
+    logits = engine.prefill(prompt)
+    prefill_s = time.perf_counter() - t0
+    before = dict(engine.timers)
+    misses_before = int(engine.cache.misses.sum())
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        logits = engine.step(int(np.argmax(logits)))
+    decode_s = time.perf_counter() - t0
+    ms = {k: 1000.0 * (engine.timers.get(k, 0.0) - before.get(k, 0.0)) / decode_tokens for k in TIMER_NAMES}
+    misses = int(engine.cache.misses.sum()) - misses_before
+    wb = weight_bytes_per_token(engine)
+    return DecodeReport(
+        model=str(engine.model_dir), kind=engine.cache.source.kind, cache_slots=engine.cache.slots,
+        n_experts=engine.config.n_experts, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+        prefill_tok_s=prompt_tokens / prefill_s, decode_tok_s=decode_tokens / decode_s, ms_per_token=ms,
+        ram_hit=engine.meters()["ram_hit"],
+        disk_mb_per_token=misses * engine.cache.source.blob_nbytes / decode_tokens / 2**20,
+        weight_bytes=wb, bandwidth_gbs=bandwidth_gbs, roofline_tok_s=bandwidth_gbs * 1e9 / wb["total"],
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, cold=dropped,
+    )
+
+
+def format_decode_report(r: DecodeReport) -> str:
+    ms = r.ms_per_token
+    share = r.decode_tok_s / r.roofline_tok_s if r.roofline_tok_s else 0.0
+    lines = [
+        f"model {r.model} ({r.kind} experts), cache {r.cache_slots}/{r.n_experts} slots per layer"
+        + (" , page cache dropped" if r.cold else ""),
+        f"prefill {r.prefill_tok_s:.1f} tok/s ({r.prompt_tokens} tokens) | decode {r.decode_tok_s:.2f} tok/s "
+        f"({r.decode_tokens} tokens)",
+        f"weights read per token {r.weight_bytes['total'] / 2**20:.1f} MiB (dense {r.weight_bytes['dense'] / 2**20:.1f}, "
+        f"experts {r.weight_bytes['experts'] / 2**20:.1f}, lm_head {r.weight_bytes['lm_head'] / 2**20:.1f}); "
+        f"from disk {r.disk_mb_per_token:.1f} MiB/token (RAM hit {r.ram_hit:.1f}%)",
+        f"bandwidth {r.bandwidth_gbs:.1f} GB/s -> roofline {r.roofline_tok_s:.1f} tok/s; decode is "
+        f"{100 * share:.0f}% of it",
+        "ms/token: " + " ".join(f"{k} {ms[k]:.2f}" for k in TIMER_NAMES),
+        f"peak RSS {r.peak_rss_mb:.0f} MiB",
+    ]
+    return "\n".join(lines)
