@@ -161,7 +161,9 @@ class ContainerExpertSource:
         """Fill out[:blob_nbytes] with expert (layer, expert), in one preadv."""
         if not (0 <= layer < self.n_layers and 0 <= expert < self.n_experts):
             raise IndexError(f"expert ({layer}, {expert}) outside {self.n_layers} layers x {self.n_experts} experts")
-        view = memoryview(out)[: self.blob_nbytes]
+        view = memoryview(out).cast("B")[: self.blob_nbytes]
+        if len(view) < self.blob_nbytes:
+            raise ValueError(f"slot of {len(view)} bytes is smaller than one expert ({self.blob_nbytes})")
         offset = self.info.blob_offset(layer, expert)
         got = os.preadv(self._fd, [view], offset)
         while got < self.blob_nbytes:  # short reads are rare (signals, network filesystems)

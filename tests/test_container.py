@@ -281,3 +281,11 @@ def test_never_overwrites_the_source_checkpoint(checkpoints):
     with pytest.raises(ModelError, match="model folder"):
         convert(folder, folder / "inside", force=True)
     assert (folder / "config.json").is_file()
+
+
+def test_read_rejects_a_short_slot_and_bad_indices(containers):
+    with ContainerExpertSource(containers["qwen3_moe", 4]) as src:
+        with pytest.raises(ValueError, match="smaller than one expert"):
+            src.read(0, 0, np.empty(src.blob_nbytes - 1, dtype=np.uint8))
+        with pytest.raises(IndexError):
+            src.read(LAYERS, 0, np.empty(src.blob_nbytes, dtype=np.uint8))
