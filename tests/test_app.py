@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from textual.widgets import DataTable, Input, Select, Switch
+
+from tierlab.app.chat import ChatMessage, ChatPane
+from tierlab.app.heat_screen import HeatInspector, ProfilePane
+from tierlab.app.help_screen import HelpScreen
+from tierlab.app.knob_panel import CACHE_SLOTS, knob_id
+from tierlab.app.sessions_screen import SessionsScreen
+from tierlab.app.tui import TierlabApp
+from tierlab.engine.heat import HeatProfile
+from tierlab.engine.sessionlog import read_session_log
+from tierlab.widgets.heatmap import ExpertHeatmap
+from tierlab.widgets.knob import Knob
 
 TINY = dict(vocab=260, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, experts=16, top_k=4, inter=32)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -70,21 +83,6 @@ def build_tiny_model(folder: Path, seed: int = 0) -> Path:
 
 
 # -- the app ---------------------------------------------------------------------
-
-import time  # noqa: E402
-
-from textual.widgets import DataTable, Input, Select, Switch  # noqa: E402
-
-from tierlab.app.chat import ChatMessage, ChatPane  # noqa: E402
-from tierlab.app.heat_screen import HeatInspector, ProfilePane  # noqa: E402
-from tierlab.app.help_screen import HelpScreen  # noqa: E402
-from tierlab.app.knob_panel import CACHE_SLOTS, knob_id  # noqa: E402
-from tierlab.app.sessions_screen import SessionsScreen  # noqa: E402
-from tierlab.app.tui import TierlabApp  # noqa: E402
-from tierlab.engine.heat import HeatProfile  # noqa: E402
-from tierlab.engine.sessionlog import read_session_log  # noqa: E402
-from tierlab.widgets.heatmap import ExpertHeatmap  # noqa: E402
-from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch  # noqa: E402
 
 
 @pytest.fixture(scope="session")
