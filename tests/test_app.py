@@ -541,3 +541,18 @@ async def test_clearing_during_a_reply_stops_it_and_leaves_an_empty_chat(make_ap
         assert chat.messages == [] and not list(app.query(ChatMessage))
         reply = await ask(pilot, "again", max_tokens=2)
         assert [m["role"] for m in chat.messages] == ["user", "assistant"] and reply.role == "assistant"
+
+
+async def test_the_lever_shows_swaps_in_the_heatmap_and_meters(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        app.engine.knobs.set("CACHE_ROUTE", True)
+        app.engine.knobs.set("ROUTE_J", 1)
+        await ask(pilot, "hello", max_tokens=4)
+        app.refresh_views(force=True)
+        heatmap = app.query_one(ExpertHeatmap)
+        assert heatmap.data.swap_counts.sum() > 0
+        assert app.watch.history.latest["swap"] > 0 and app.watch.history.latest["route_agree"] < 100
+        heatmap.mode = "swaps"
+        assert "swaps" in heatmap.render().plain.split("\n")[-2]
