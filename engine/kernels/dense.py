@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from tierlab.engine.kernels.qmatvec import matvec_bf16, matvec_fp32
 
@@ -27,6 +27,27 @@ def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.nd
     return out
 
 
+@njit(nogil=True, fastmath=True, cache=True, parallel=True)
+def matmat_bf16(w, x, out):
+    """out[t, r] = w[r, :] . x[t, :] for a bf16 (uint16) w: each weight row is widened
+    once and reused for every token, so a prompt reads the weights once."""
+    rows, cols = w.shape
+    t_count = x.shape[0]
+    block = 16
+    n_blocks = (rows + block - 1) // block
+    for b in prange(n_blocks):
+        wide = np.empty(cols, dtype=np.uint32)
+        as_f32 = wide.view(np.float32)
+        for r in range(b * block, min(rows, (b + 1) * block)):
+            for c in range(cols):
+                wide[c] = np.uint32(w[r, c]) << np.uint32(16)
+            for t in range(t_count):
+                acc = np.float32(0.0)
+                for c in range(cols):
+                    acc += as_f32[c] * x[t, c]
+                out[t, r] = acc
+
+
 def widen(w: np.ndarray) -> np.ndarray:
     if w.dtype == np.uint16:
         return (w.astype(np.uint32) << 16).view(np.float32)
@@ -39,7 +60,11 @@ def linear(w: np.ndarray, x: np.ndarray) -> np.ndarray:
         return matvec(w, x)
     if x.shape[0] == 1:
         return matvec(w, x[0])[None, :]
-    return np.ascontiguousarray(x @ widen(w).T, dtype=np.float32)
+    if w.dtype == np.uint16:
+        out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+        matmat_bf16(w, np.ascontiguousarray(x, dtype=np.float32), out)
+        return out
+    return np.ascontiguousarray(x @ w.T, dtype=np.float32)
 
 
 @njit(nogil=True, fastmath=False, cache=True)
