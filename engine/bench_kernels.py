@@ -53,6 +53,9 @@ class KernelReport:
     # one thread, Gweights per second of that thread's CPU time (p10 over calls):
     # what a core does when it is not descheduled, robust to a busy shared machine
     per_core_cpu: dict[str, float] = field(default_factory=dict)
+    # ContainerExpertSource.read of int4 Qwen3.6-shaped blobs already in the page cache
+    expert_read_gbs: float = 0.0
+    expert_read_us: float = 0.0
 
     def to_json(self) -> dict:
         return {
@@ -66,6 +69,8 @@ class KernelReport:
             "fused_expert": self.fused_expert,
             "roofline_share": self.roofline_share,
             "per_core_cpu": self.per_core_cpu,
+            "expert_read_gbs": self.expert_read_gbs,
+            "expert_read_us": self.expert_read_us,
             "bytes_per_weight": BYTES_PER_WEIGHT,
         }
 
@@ -149,6 +154,35 @@ def _fused_blob(kind: str, hidden: int, inter: int, rng: np.random.Generator) ->
     return blob
 
 
+def measure_expert_reads(n_blobs: int, calls: int, hidden: int = 2048, inter: int = 512) -> tuple[float, float]:
+    """(GB/s, microseconds per expert) of ContainerExpertSource.read from the page cache.
+
+    Writes a throwaway one-layer int4 container of n_blobs random blobs.
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from tierlab.engine.container import CONTAINER_JSON, EXPERTS_BIN, ContainerExpertSource, ContainerInfo
+    from tierlab.engine.quant import BlobLayout
+
+    layout = BlobLayout(4, hidden, inter)
+    rng = np.random.default_rng(1)
+    with tempfile.TemporaryDirectory(prefix="tierlab-bench-") as tmp:
+        folder = Path(tmp)
+        with open(folder / EXPERTS_BIN, "wb") as f:
+            for _ in range(n_blobs):
+                f.write(rng.integers(0, 256, size=layout.stride, dtype=np.uint8).tobytes())
+        info = ContainerInfo(4, GROUP, 1, n_blobs, hidden, inter, layout.nbytes, layout.stride, [0], "bench", "")
+        (folder / CONTAINER_JSON).write_text(json.dumps(info.to_json()))
+        with ContainerExpertSource(folder) as src:
+            slot = np.empty(layout.stride, dtype=np.uint8)
+            for e in range(n_blobs):  # warm the page cache
+                src.read(0, e, slot)
+            timing = _time_calls(lambda i: src.read(0, i % n_blobs, slot), calls, 0.0)
+    return layout.nbytes / timing.median_s / 1e9, timing.median_s * 1e6
+
+
 def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=None) -> KernelReport:
     """Measure bandwidth, matvec and fused-expert throughput. quick: a few seconds in total."""
     import numba
@@ -194,6 +228,11 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
             finally:
                 numba.set_num_threads(threads_before)
 
+    if progress:
+        progress("expert reads")
+    read_gbs, read_us = measure_expert_reads(8 if quick else 48, 20 if quick else 200)
+    report.expert_read_gbs, report.expert_read_us = round(read_gbs, 2), round(read_us, 1)
+
     hidden, inter = 2048, 512
     for kind in KINDS:
         if progress:
@@ -223,6 +262,8 @@ def format_report(report: KernelReport) -> str:
             f"{100 * report.roofline_share.get(kind, 0):>9.0f}%{report.fused_expert.get(kind, 0):>8.2f}"
         )
     lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / stream GB/s")
+    if report.expert_read_gbs:
+        lines.append(f"expert read (int4 2048x512 blob, page cache): {report.expert_read_us:.0f} us, {report.expert_read_gbs:.1f} GB/s")
     if report.per_core_cpu:
         lines.append("one core, per CPU-second (512x2048, cache-hot): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in report.per_core_cpu.items()))

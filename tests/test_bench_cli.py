@@ -23,6 +23,7 @@ def test_bench_kernels_quick_json():
         assert rate > 0 and math.isfinite(rate), (kind, rate)
         assert report["roofline_share"][kind] > 0
         assert report["fused_expert"][kind] > 0
+    assert report["expert_read_gbs"] > 0
 
 
 def test_bench_without_a_benchmark_prints_help():
