@@ -1,8 +1,8 @@
-"""`tierlab bench kernels`: how fast the matvec kernels run next to the memory roofline.
+"""`tierlab bench kernels|decode`: kernel and end-to-end speed next to the memory roofline.
 
-Each benchmark is a sub-subcommand registered in BENCHES, so `bench decode`
-(the engine end to end) can be added later as one more entry without touching
-the kernel benchmark.
+Each benchmark is a sub-subcommand registered in BENCHES (`kernels`: matvec
+and fused-expert throughput, engine/bench_kernels.py; `decode`: the engine
+end to end, engine/bench_decode.py); adding one never touches the others.
 """
 
 from __future__ import annotations
