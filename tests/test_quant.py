@@ -212,3 +212,14 @@ def test_matvec_with_an_odd_number_of_rows(rng, kind):
         fn(Q.pack_int4(q) if bits == 4 else q, s, x, out)
         ref = Q.dequantize(q, s) @ x.astype(np.float64)
     _close(out, ref)
+
+
+def test_wrong_shapes_are_refused_before_the_kernel_reads_out_of_bounds(rng):
+    q, s = Q.quantize(rng.standard_normal((64, 128)), 4)
+    with pytest.raises(ValueError, match="x\\[128\\]"):
+        K.matvec_int4(Q.pack_int4(q), s, np.ones(64, np.float32), np.empty(64, np.float32))
+    blob = Q.build_blob(*_expert(rng, 128, 64), 8)
+    with pytest.raises(ValueError, match="blob of >="):
+        K.expert_forward_int8(blob[:-1], 128, 64, np.ones(128, np.float32), np.zeros(128, np.float32), 1.0)
+    with pytest.raises(ValueError, match="float32 y"):
+        K.expert_forward_int8(blob, 128, 64, np.ones(128, np.float32), np.zeros(128), 1.0)

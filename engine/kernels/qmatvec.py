@@ -466,23 +466,39 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
+def _check_matvec(rows: int, cols: int, x: np.ndarray, out: np.ndarray) -> None:
+    """Shape errors would be out-of-bounds reads in the kernels: refuse them here."""
+    if x.shape != (cols,) or out.shape != (rows,):
+        raise ValueError(f"matvec of a {rows}x{cols} matrix needs x[{cols}] and out[{rows}], got {x.shape} and {out.shape}")
+
+
+def _check_expert(blob: np.ndarray, nbytes: int, hidden: int, x: np.ndarray, y: np.ndarray) -> None:
+    if blob.nbytes < nbytes or x.shape != (hidden,) or y.shape != (hidden,) or y.dtype != np.float32:
+        raise ValueError(f"expert needs a blob of >= {nbytes} bytes, x[{hidden}] and float32 y[{hidden}]; "
+                         f"got {blob.nbytes} bytes, x{x.shape}, y{y.shape} {y.dtype}")
+
+
 def matvec_fp32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for float32 w [rows, cols] (C-contiguous)."""
+    _check_matvec(w.shape[0], w.shape[1], x, out)
     _pass_fp32(w, w, _f32(x), out, SET, 1.0)
 
 
 def matvec_bf16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for bf16 w stored as uint16 [rows, cols]."""
+    _check_matvec(w.shape[0], w.shape[1], x, out)
     _pass_bf16(w, w, _f32(x), out, SET, 1.0)
 
 
 def matvec_int8(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q int8 [rows, cols], scales float32 [rows, cols/64]."""
+    _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
     _pass_int8(q, scales, q, scales, _f32(x), out, SET, 1.0)
 
 
 def matvec_int4(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q planar-nibble uint8 [rows, cols/2], scales [rows, cols/64]."""
+    _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
     _pass_int4(q, scales, q, scales, _f32(x), out, SET, 1.0)
 
 
@@ -514,6 +530,7 @@ def quant_matrices(blob: np.ndarray, bits: int, hidden: int, inter: int) -> tupl
 
 def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * down(silu(gate x) * (up x)) for a raw float32 blob [gate | up | down]."""
+    _check_expert(blob, raw_blob_nbytes("fp32", hidden, inter), hidden, x, y)
     gate, up, down = raw_matrices(blob, "fp32", hidden, inter)
     h = np.empty(inter, np.float32)
     _pass_fp32(gate, up, _f32(x), h, GATE_UP, 1.0)
@@ -522,6 +539,7 @@ def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
 
 def expert_forward_bf16(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for a raw bf16 (uint16) blob [gate | up | down]."""
+    _check_expert(blob, raw_blob_nbytes("bf16", hidden, inter), hidden, x, y)
     gate, up, down = raw_matrices(blob, "bf16", hidden, inter)
     h = np.empty(inter, np.float32)
     _pass_bf16(gate, up, _f32(x), h, GATE_UP, 1.0)
@@ -530,6 +548,7 @@ def expert_forward_bf16(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
 
 def expert_forward_int8(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for an int8 container blob."""
+    _check_expert(blob, quant_blob_nbytes(8, hidden, inter), hidden, x, y)
     qg, sg, qu, su, qd, sd = quant_matrices(blob, 8, hidden, inter)
     h = np.empty(inter, np.float32)
     _pass_int8(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
@@ -538,6 +557,7 @@ def expert_forward_int8(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
 
 def expert_forward_int4(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for an int4 container blob."""
+    _check_expert(blob, quant_blob_nbytes(4, hidden, inter), hidden, x, y)
     qg, sg, qu, su, qd, sd = quant_matrices(blob, 4, hidden, inter)
     h = np.empty(inter, np.float32)
     _pass_int4(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
@@ -554,3 +574,9 @@ EXPERT_FORWARD = {
 def raw_blob_nbytes(kind: str, hidden: int, inter: int) -> int:
     """Bytes of one raw fp32/bf16 expert blob [gate | up | down]."""
     return 3 * hidden * inter * {"fp32": 4, "bf16": 2}[kind]
+
+
+def quant_blob_nbytes(bits: int, hidden: int, inter: int) -> int:
+    """Bytes of one int8/int4 container blob (see engine/quant.BlobLayout)."""
+    n = hidden * inter
+    return 3 * (n * bits // 8 + n // GROUP * 4)
