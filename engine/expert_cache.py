@@ -33,6 +33,7 @@ class ExpertCache:
         #: 1 where the expert sits in a RAM slot (ready), else 0.
         self.in_ram = np.zeros((n_layers, n_experts), dtype=np.int8)
         self.gpu_resident: Callable[[int, int], bool] = lambda layer, expert: False
+        self._pool = None  # background readers for acquire_token
         self._layers = [self._new_layer(self.slots) if moe else None for moe in moe_layers]
 
     def _new_layer(self, slots: int) -> dict:
@@ -139,6 +140,44 @@ class ExpertCache:
                 raise
         return st["store"][s], not must_load
 
+    def acquire_token(self, layer: int, experts: list[int]) -> "TokenFetch | None":
+        """Claim slots for all of one token's experts at once, in rank order, counting hits and
+        misses as acquire() would; misses after the first are read in the background while the
+        caller computes the earlier ones. None when the layer has fewer slots than experts
+        (then the caller acquires one at a time)."""
+        if len(experts) > self.slots or len(set(experts)) != len(experts):
+            return None
+        st = self._layers[layer]
+        plan = []
+        with self._cond:
+            for e in experts:
+                s, must_load = self._claim(layer, e)
+                st["busy"][s] += 1
+                self._clock += 1
+                st["last"][s] = self._clock
+                if must_load:
+                    self.misses[layer] += 1
+                else:
+                    self.hits[layer] += 1
+                plan.append((e, s, must_load))
+        fetch = TokenFetch(self, layer, plan)
+        missing = [(e, s) for e, s, must in plan if must]
+        for e, s in missing[1:]:
+            fetch.futures[e] = self._readers().submit(self._load, layer, e, s)
+        return fetch
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _readers(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierlab-read")
+        return self._pool
+
     def release(self, layer: int, expert: int) -> None:
         st = self._layers[layer]
         with self._cond:
@@ -213,3 +252,50 @@ class ExpertCache:
                         self.in_ram[layer, e] = 1
                 self._layers[layer] = new
             self.slots = slots
+
+
+class TokenFetch:
+    """The slots of one token's experts; `blob(i)` waits for the i-th to be loaded."""
+
+    def __init__(self, cache: ExpertCache, layer: int, plan: list[tuple[int, int, bool]]) -> None:
+        self.cache = cache
+        self.layer = layer
+        self.plan = plan
+        self.futures: dict = {}
+        self._done: set[int] = set()
+
+    def hit(self, i: int) -> bool:
+        return not self.plan[i][2]
+
+    def blob(self, i: int) -> np.ndarray:
+        e, s, must_load = self.plan[i]
+        if must_load and e not in self._done:
+            future = self.futures.get(e)
+            if future is not None:
+                future.result()
+            else:
+                self.cache._load(self.layer, e, s)
+            self._done.add(e)
+        return self.cache._layers[self.layer]["store"][s]
+
+    def close(self) -> None:
+        """Release every slot; wait for background reads; abandon loads that never started."""
+        cache = self.cache
+        st = cache._layers[self.layer]
+        for e, s, must_load in self.plan:
+            future = self.futures.get(e)
+            if future is not None:
+                try:
+                    future.result()
+                except Exception:
+                    pass
+            elif must_load and e not in self._done:
+                with cache._cond:
+                    st["loading"][s] = False
+                    st["expert"][s] = -1
+                    st["slot_of"][e] = -1
+        with cache._cond:
+            for e, s, _ in self.plan:
+                if st["busy"][s] > 0:
+                    st["busy"][s] -= 1
+            cache._cond.notify_all()

@@ -295,6 +295,7 @@ class Engine:
         tiering.write_heat(self)
         if self.pilot is not None:
             self.pilot.close()
+        self.cache.close()
         self.cache.source.close()
         if self.tier is not None:
             self.tier.close()

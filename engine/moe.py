@@ -147,10 +147,26 @@ class MoEBlock:
             handle = ctx.tier_enqueue(layer, [int(route.chosen[s]) for s in on_gpu], x)
             if handle is None:
                 on_gpu = []
-        for s in range(K):
+        cpu_slots = [s for s in range(K) if route.chosen[s] >= 0 and s not in on_gpu]
+        fetch = cache.acquire_token(layer, [int(route.chosen[s]) for s in cpu_slots]) if len(cpu_slots) > 1 else None
+        if fetch is not None:  # misses after the first are read while earlier experts compute
+            try:
+                for i, s in enumerate(cpu_slots):
+                    t0 = time.perf_counter()
+                    blob = fetch.blob(i)
+                    t1 = time.perf_counter()
+                    source.forward(blob, x, outputs[s], 1.0)
+                    timers["fetch"] += t1 - t0
+                    timers["compute"] += time.perf_counter() - t1
+                    if fetch.hit(i):
+                        route.ram_hits += 1
+                    else:
+                        route.ram_misses += 1
+            finally:
+                fetch.close()
+            cpu_slots = []
+        for s in cpu_slots:
             e = int(route.chosen[s])
-            if e < 0 or s in on_gpu:
-                continue
             t0 = time.perf_counter()
             blob, hit = cache.acquire(layer, e)
             t1 = time.perf_counter()

@@ -74,3 +74,32 @@ def test_hot_pins_survive_eviction(oracle_models):
             cache.acquire(0, e)
             cache.release(0, e)
     assert cache.is_resident(0, pinned[0])
+
+
+def test_token_fetch_counts_like_one_at_a_time(oracle_models):
+    """Reading a token's misses in the background must not change hits, misses or results."""
+    from tierlab.engine.expert_cache import ExpertCache
+
+    folder = oracle_models["qwen3_moe"][1]
+    engine = load_engine(folder, cache_slots=4)
+    source = engine.cache.source
+    seq = ExpertCache(source, 1, 8, 4, [True])
+    par = ExpertCache(source, 1, 8, 4, [True])
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        experts = [int(e) for e in rng.choice(8, 3, replace=False)]
+        blobs_seq = []
+        for e in experts:
+            blob, _ = seq.acquire(0, e)
+            blobs_seq.append(blob.copy())
+            seq.release(0, e)
+        fetch = par.acquire_token(0, experts)
+        try:
+            for i in range(3):
+                assert np.array_equal(fetch.blob(i), blobs_seq[i])
+        finally:
+            fetch.close()
+        assert np.array_equal(seq.in_ram, par.in_ram)
+    assert (seq.hits[0], seq.misses[0]) == (par.hits[0], par.misses[0])
+    assert par.acquire_token(0, [0, 1, 2, 3, 4]) is None  # more experts than slots
+    par.close()
