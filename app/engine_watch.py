@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 
@@ -54,32 +53,11 @@ class EngineWatch:
         self.meter_errors = 0
         self._oracle = 0.0
         self._oracle_at = 0.0
-        self._token_listeners: list[Callable[[TokenEvent], None]] = []
-        self._knob_listeners: list[Callable[[KnobChange, int], None]] = []
         self._closed = False
         engine.subscribe(self._on_token)
         engine.knobs.subscribe(self._on_knob)
 
     # -- listeners (engine thread for tokens, any thread for knobs) ---------
-
-    def add_token_listener(self, listener: Callable[[TokenEvent], None]) -> None:
-        with self.lock:
-            self._token_listeners.append(listener)
-
-    def remove_token_listener(self, listener: Callable[[TokenEvent], None]) -> None:
-        with self.lock:
-            if listener in self._token_listeners:
-                self._token_listeners.remove(listener)
-
-    def add_knob_listener(self, listener: Callable[[KnobChange, int], None]) -> None:
-        """`listener(change, token)` gets every knob change and the token it first applies to."""
-        with self.lock:
-            self._knob_listeners.append(listener)
-
-    def remove_knob_listener(self, listener: Callable[[KnobChange, int], None]) -> None:
-        with self.lock:
-            if listener in self._knob_listeners:
-                self._knob_listeners.remove(listener)
 
     def _on_token(self, event: TokenEvent) -> None:
         if self._closed:
@@ -107,9 +85,6 @@ class EngineWatch:
             self.swapped = swapped
             self.last_event = event
             self.history.add(token, meters)
-            listeners = list(self._token_listeners)
-        for listener in listeners:
-            listener(event)
 
     def _oracle_hit(self) -> float:
         """The Belady bound replays every request so far, so it is refreshed at most once a second."""
@@ -121,17 +96,12 @@ class EngineWatch:
         return self._oracle
 
     def _on_knob(self, change: KnobChange) -> None:
-        self.mark(f"{change.name}={format_knob_value(change.new)}", change)
+        self.mark(f"{change.name}={format_knob_value(change.new)}")
 
-    def mark(self, label: str, change: KnobChange | None = None) -> None:
+    def mark(self, label: str) -> None:
         """Note a change at the next token (knob changes arrive here; the app adds cache-size changes)."""
         with self.lock:
-            token = self.tokens_seen
-            self.history.mark(token, label)
-            listeners = list(self._knob_listeners)
-        if change is not None:
-            for listener in listeners:
-                listener(change, token)
+            self.history.mark(self.tokens_seen, label)
 
     # -- snapshots for the UI ----------------------------------------------
 
@@ -169,6 +139,9 @@ class EngineWatch:
             self.swapped[:] = False
 
     def close(self) -> None:
-        """Stop listening (the engine has no unsubscribe for tokens, so the listener goes quiet)."""
+        """Stop listening to the engine."""
         self._closed = True
+        unsubscribe = getattr(self.engine, "unsubscribe", None)
+        if unsubscribe is not None:
+            unsubscribe(self._on_token)
         self.engine.knobs.unsubscribe(self._on_knob)

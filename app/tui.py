@@ -355,6 +355,7 @@ class TierlabApp(App):
     def set_cache_slots(self, slots: int) -> None:
         if self.engine is None:
             return
+        old = self._cache_slots_of(self.engine)
         try:
             self.engine.set_cache_slots(int(slots))
         except (TierlabError, ValueError) as exc:
@@ -363,7 +364,7 @@ class TierlabApp(App):
         if self.watch is not None:
             self.watch.mark(f"cache={int(slots)}")
         if self.recorder is not None:
-            self.recorder.note_setting("cache_slots", int(slots), self.watch.tokens_seen if self.watch else 0)
+            self.recorder.note_setting("cache_slots", old, int(slots))
         self._update_subtitle()
 
     def on_knob_changed(self, event: Knob.Changed) -> None:
@@ -446,7 +447,7 @@ class TierlabApp(App):
                 self.notify(str(path), title="Session log saved", timeout=4)
         else:
             try:
-                self.recorder = start_recording(self.engine, self.watch, self.sessions_dir)
+                self.recorder = start_recording(self.engine, self.sessions_dir)
             except (TierlabError, OSError) as exc:
                 self.notify(one_line(exc), title="Recording", severity="error")
                 return
