@@ -334,6 +334,14 @@ async def test_heat_inspector_loads_compares_and_rejects(make_app, tmp_path):
         await pilot.pause()
         assert screen.has_class("-compare")
         assert screen.query_one("#stats-b", DataTable).row_count == 6
+        # profiles of different shapes cannot be compared
+        odd = tmp_path / "odd.heat"
+        HeatProfile(3, 8).write(odd)
+        screen.query_one("#heat-path-b", Input).value = str(odd)
+        await pilot.click("#heat-load")
+        await pilot.pause()
+        assert any("differ in shape" in text and severity == "error" for text, severity in app.notes)
+        screen.query_one("#heat-path-b", Input).value = ""
         # a malformed file: a notification, the loaded profile stays
         screen.query_one("#heat-path-a", Input).value = str(bad)
         await pilot.click("#heat-load")
