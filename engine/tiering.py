@@ -71,33 +71,20 @@ def attach_tier(engine, opts: TierOptions) -> None:
     engine.cache.gpu_resident = tier.is_resident
     engine.tier_report = {"device": tier.device_label, "capacity": tier.capacity}
     if opts.warmstart:
-        warmstart(engine, tier)
+        warm(engine, tier)
 
 
-def warm_plan(engine, capacity: int) -> tuple[list[tuple[int, int]], str]:
-    from tierlab.engine.heat import index_order
+def warm(engine, tier) -> None:
+    """Upload experts in heat order (HEAT_FILE, if it exists yet) or index order until full."""
+    from tierlab.engine.tiers.warmstart import warmstart
 
     cfg = engine.config
-    moe = [layer for layer, m in enumerate(cfg.moe_layers) if m]
-    if engine.base_heat is not None:
-        plan = [(l, e) for l, e in engine.base_heat.plan(cfg.n_layers * cfg.n_experts) if cfg.moe_layers[l]]
-        return plan[:capacity], "heat"
-    plan = [(l, e) for l, e in index_order(cfg.n_layers, cfg.n_experts, cfg.n_layers * cfg.n_experts) if l in moe]
-    return plan[:capacity], "index"
-
-
-def warmstart(engine, tier) -> None:
-    """Upload experts in plan order until the budget is full."""
-    plan, order = warm_plan(engine, tier.capacity)
-    staging = np.empty(engine.cache.source.blob_nbytes, dtype=np.uint8)
-    uploaded = 0
-    for layer, expert in plan:
-        engine.cache.source.read(layer, expert, staging)
-        if not tier.upload(layer, expert, staging):
-            break
-        uploaded += 1
-    engine.tier_report.update(warmstart=order, uploaded=uploaded, bytes=int(tier.stats.bytes))
-    engine.notice(f"GPU tier on {tier.device_label}: {uploaded} experts resident ({order} order, "
+    heat_file = engine.heat_file if engine.base_heat is not None else None
+    report = warmstart(tier, engine.cache.source.read, cfg.n_layers, cfg.n_experts, heat_file=heat_file,
+                       moe_layers=cfg.moe_layers)
+    engine.tier_report.update(warmstart=report.order, uploaded=report.uploaded, bytes=int(tier.stats.bytes),
+                              seconds=report.seconds)
+    engine.notice(f"GPU tier on {tier.device_label}: {report.uploaded} experts resident ({report.order} order, "
                   f"{tier.stats.bytes / 2**20:.1f} MiB)")
 
 
