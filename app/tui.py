@@ -32,8 +32,8 @@ from tierlab.widgets.meters import MeterPlot, MetersPanel
 
 VIEW_INTERVAL = 0.2
 """Seconds between redraws of heatmap and meters while tokens arrive (the engine needs the CPU more)."""
-STREAM_INTERVAL = 0.05
-"""Seconds between updates of the reply text while it streams."""
+STREAM_INTERVAL = 0.1
+"""Seconds between updates of the reply text while it streams (each one waits for the UI)."""
 
 
 def one_line(exc: BaseException) -> str:
