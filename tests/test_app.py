@@ -564,3 +564,17 @@ async def test_the_lever_shows_swaps_in_the_heatmap_and_meters(make_app):
         assert app.watch.history.latest["swap"] > 0 and app.watch.history.latest["route_agree"] < 100
         heatmap.mode = "swaps"
         assert "swaps" in heatmap.render().plain.split("\n")[-2]
+
+
+SHIPPED = __import__("tierlab").ASSETS_DIR / "tiny-moe"
+
+
+@pytest.mark.skipif(not (SHIPPED / "config.json").exists(), reason="the shipped model is not in assets/ yet")
+async def test_the_shipped_model_answers_in_the_app(tmp_path):
+    app = TierlabApp(SHIPPED, sessions_dir=tmp_path)
+    app.notes = []  # type: ignore[attr-defined]
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        reply = await ask(pilot, "Once upon a time", max_tokens=6)
+        assert reply.text.strip()
+        assert app.query_one(ExpertHeatmap).data.heat.sum() > 0
