@@ -126,6 +126,9 @@ def write_heat(engine) -> str | None:
     path = getattr(engine, "heat_file", None)
     if not path:
         return None
+    if Path(path).exists() and not os.access(path, os.W_OK):
+        engine.notice(f"{path}: read-only heat profile kept as it is")
+        return None
     cfg = engine.config
     counts = engine.heat_total.copy()
     if engine.base_heat is not None:

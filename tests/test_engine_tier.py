@@ -102,3 +102,17 @@ def test_cli_tier_and_bad_budget(folder, tmp_path):
     proc = run_cli("ref", "--model", str(folder), "--prompt-ids", "3,4,5", "-n", "2", "-o", str(tmp_path / "r.json"),
                    "--tier", "--tier-gb", "lots")
     assert proc.returncode == 2 and "TIER_GB" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_read_only_heat_file_is_kept(folder, tmp_path):
+    heat = tmp_path / "heat.bin"
+    engine = engine_with(folder, TierOptions(heat_file=str(heat)))
+    decode(engine)
+    engine.close()
+    before = heat.read_bytes()
+    heat.chmod(0o444)
+    engine = engine_with(folder, TierOptions(heat_file=str(heat)))
+    decode(engine)
+    engine.close()
+    assert heat.read_bytes() == before
+    assert any("read-only" in n for n in engine.notices)
