@@ -133,6 +133,24 @@ def heldout_loss(model, stream: np.ndarray, seq: int, n: int = 16) -> float:
     return float(out.loss)
 
 
+def make_summary(preset, step, log, a: dict, n_params, vocab, streams, command) -> dict:
+    """training.json: settings, token counts, final losses and the loss curve."""
+    import transformers
+
+    last = [r for r in log if "heldout" in r][-1] if log else {}
+    return {
+        "preset": preset, "config": PRESETS[preset], "vocab_size": vocab,
+        "params": n_params, "steps": step, "batch": a["batch"], "seq": a["seq"],
+        "tokens_seen": step * a["batch"] * a["seq"], "train_stream_tokens": int(len(streams["train"])),
+        "heldout_stream_tokens": int(len(streams["heldout"])), "lr": a["lr"], "warmup": a["warmup"],
+        "decay_steps": a["decay_steps"], "weight_decay": a["wd"], "router_aux_loss_coef": a["aux_coef"],
+        "seed": a["seed"], "threads": a["threads"],
+        "final_train_loss_ema": log[-1]["loss_ema"] if log else None, "final_heldout_loss": last.get("heldout"),
+        "command": command, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": sys.version.split()[0], "log": log,
+    }
+
+
 def save_ckpt(path: Path, model, opt, step: int, log: list, args):
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
@@ -164,7 +182,13 @@ def export(args):
     model.to(torch.bfloat16).save_pretrained(dst)
     tok.save(str(dst / "tokenizer.json"))
     (dst / "tokenizer_config.json").write_text(json.dumps(tiny_corpus.tokenizer_config(4096), indent=2) + "\n")
-    summary = json.loads((out / "training.json").read_text())
+    if (out / "training.json").exists():
+        summary = json.loads((out / "training.json").read_text())
+    else:  # a checkpoint of an unfinished run (for trying the export)
+        _, streams = prepare_data(Path(ck["args"]["data"]), ck["args"]["vocab"])
+        summary = make_summary(ck["args"]["preset"], ck["step"], ck["log"], ck["args"],
+                               sum(p.numel() for p in model.parameters()), tok.get_vocab_size(), streams,
+                               "(unfinished run)")
     (dst / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"exported {dst}")
 
@@ -197,8 +221,9 @@ def train(args):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"preset={args.preset} params={n_params} train_tokens={len(streams['train'])} "
           f"heldout_tokens={len(streams['heldout'])} layer_types={cfg.layer_types}", flush=True)
-    t0, tok_per_step = time.time(), args.batch * args.seq
-    ema = None
+    # Wall time and the loss EMA carry over a resume.
+    t0 = time.time() - (log[-1]["sec"] if log else 0.0)
+    ema = log[-1]["loss_ema"] if log else None
     while step < args.steps:
         lr = lr_at(step, args.steps, args.lr, args.warmup, args.decay_steps)
         for g in opt.param_groups:
@@ -222,21 +247,9 @@ def train(args):
             print(json.dumps(rec), flush=True)
         if step % args.ckpt_every == 0 or step == args.steps:
             save_ckpt(ck_path, model, opt, step, log, args)
-    last = [r for r in log if "heldout" in r][-1] if log else {}
-    summary = {
-        "preset": args.preset, "config": PRESETS[args.preset], "vocab_size": tok.get_vocab_size(),
-        "params": n_params, "steps": step, "batch": args.batch, "seq": args.seq,
-        "tokens_seen": step * tok_per_step, "train_stream_tokens": int(len(streams["train"])),
-        "heldout_stream_tokens": int(len(streams["heldout"])), "lr": args.lr, "warmup": args.warmup, "decay_steps": args.decay_steps,
-        "weight_decay": args.wd, "router_aux_loss_coef": args.aux_coef, "seed": args.seed,
-        "final_train_loss_ema": log[-1]["loss_ema"] if log else None, "final_heldout_loss": last.get("heldout"),
-        "command": "python tools/train_tiny.py " + " ".join(
-            shlex.quote(a) for a in sys.argv[1:] if a != "--resume"),
-        "torch": torch.__version__, "python": sys.version.split()[0],
-        "log": log,
-    }
-    import transformers
-    summary["transformers"] = transformers.__version__
+    summary = make_summary(args.preset, step, log, vars(args), n_params, tok.get_vocab_size(), streams,
+                           "python tools/train_tiny.py " + " ".join(
+                               shlex.quote(a) for a in sys.argv[1:] if a != "--resume"))
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("done", flush=True)
 
