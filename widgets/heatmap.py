@@ -428,7 +428,7 @@ class ExpertHeatmap(Widget, can_focus=True):
         self.redraw_count += 1
         text = Text(no_wrap=True, overflow="crop", end="")
         if self.data is None or self.data.levels.size == 0:
-            text.append("no model loaded")
+            text.append("no profile loaded: give a path above" if self.profile else "no model loaded")
             return text
         n_layers, n_experts = self.data.shape
         colors = self.colors()
