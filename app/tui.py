@@ -137,6 +137,7 @@ class TierlabApp(App):
         self.query_one("#knobs").border_title = "Knobs"
         self.query_one("#meters-box").border_title = "Meters"
         self.sub_title = "loading…"
+        self.query_one(ExpertHeatmap).placeholder = f"loading {self.model_dir.name if self.model_dir else 'the model'}…"
         self.query_one("#max-tokens", Knob).set_value_quietly(self.max_tokens)
         self.query_one("#prompt").focus()
         self.set_interval(VIEW_INTERVAL, self.refresh_views, name="views")
@@ -165,6 +166,9 @@ class TierlabApp(App):
 
     def _engine_failed(self, message: str) -> None:
         self.sub_title = "no model"
+        heatmap = self.query_one(ExpertHeatmap)
+        heatmap.placeholder = f"no model: {message}"
+        heatmap.refresh()
         self.notify(message, title="Model not loaded", severity="error", timeout=15)
 
     def _engine_ready(self, engine) -> None:

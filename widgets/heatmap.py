@@ -184,6 +184,8 @@ class ExpertHeatmap(Widget, can_focus=True):
         self.data = data
         self.profile = profile
         """A stored heat profile has no residency and no current token: heat view only."""
+        self.placeholder = "no profile loaded: give a path above" if profile else "no model loaded"
+        """What an empty heatmap says."""
         if profile:
             self.set_reactive(ExpertHeatmap.mode, "heat")
         self.x_offset = 0
@@ -428,7 +430,7 @@ class ExpertHeatmap(Widget, can_focus=True):
         self.redraw_count += 1
         text = Text(no_wrap=True, overflow="crop", end="")
         if self.data is None or self.data.levels.size == 0:
-            text.append("no profile loaded: give a path above" if self.profile else "no model loaded")
+            text.append(self.placeholder)
             return text
         n_layers, n_experts = self.data.shape
         colors = self.colors()
