@@ -578,3 +578,21 @@ async def test_the_shipped_model_answers_in_the_app(tmp_path):
         reply = await ask(pilot, "Once upon a time", max_tokens=6)
         assert reply.text.strip()
         assert app.query_one(ExpertHeatmap).data.heat.sum() > 0
+
+
+async def test_engine_notices_such_as_a_failed_tier_become_notifications(make_app):
+    app = make_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        real_generate = app.engine.generate
+
+        def failing_tier_generate(*args, **kwargs):  # the real engine; its tier "fails" after the first token
+            for n, token in enumerate(real_generate(*args, **kwargs)):
+                if n == 0:
+                    app.engine.notice("GPU tier disabled (device lost): computing on the CPU")
+                yield token
+
+        app.engine.generate = failing_tier_generate
+        await ask(pilot, "hi", max_tokens=3)
+        assert any("GPU tier disabled" in text for text, _ in app.notes)
+        assert not app.engine.notices
