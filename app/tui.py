@@ -473,8 +473,25 @@ class TierlabApp(App):
         yield SystemCommand("Save session heat", "Write this session's routing counts", self.action_save_heat)
         yield SystemCommand("Heatmap: next view", "Residency, heat, this token, swaps", self._cycle_heatmap_mode)
         yield SystemCommand("Heatmap: fold / scroll", "How experts beyond the width are shown", self._cycle_heatmap_fold)
+        yield SystemCommand("Toggle CACHE_ROUTE", "Cache-aware routing on/off (from the next token)",
+                            lambda: self._toggle_knob("CACHE_ROUTE"))
+        for mode in SPEC_BY_NAME["ROUTE_MODE"].choices or ():
+            yield SystemCommand(f"ROUTE_MODE = {mode}", "Routing strategy (from the next token)",
+                                lambda m=mode: self._set_knob_from_command("ROUTE_MODE", m))
         for name in ("heatmap", "knobs", "prompt"):
             yield SystemCommand(f"Focus {name}", f"Move the keyboard focus to the {name}", lambda n=name: self.action_focus(n))
+
+    def _toggle_knob(self, name: str) -> None:
+        if self.engine is not None:
+            self._set_knob_from_command(name, not self.engine.knobs.get(name))
+
+    def _set_knob_from_command(self, name: str, value: object) -> None:
+        """A knob set from the palette: to the engine, then shown on the panel."""
+        if self.engine is None:
+            self.notify("no model loaded", severity="error")
+            return
+        self.set_engine_knob(name, value)
+        self.query_one(KnobsPanel).show(self.engine.knobs.snapshot())
 
     def _cycle_heatmap_mode(self) -> None:
         self.query_one(ExpertHeatmap).action_cycle_mode()

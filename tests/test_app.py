@@ -378,6 +378,13 @@ async def test_command_palette_offers_every_action(make_app):
         for title in ("Toggle recording", "Heat profile inspector", "Sessions and A/B", "Stop generation",
                       "Clear conversation", "Reset knobs to defaults", "Help: keys and panes", "Theme"):
             assert any(t.startswith(title) for t in titles), title
+        await ready(pilot)
+        commands = {command.title: command for command in app.get_system_commands(app.screen)}
+        commands["ROUTE_MODE = prior"].callback()
+        commands["Toggle CACHE_ROUTE"].callback()
+        await pilot.pause()
+        assert app.engine.knobs.get("ROUTE_MODE") == "prior" and app.engine.knobs.get("CACHE_ROUTE") is True
+        assert app.query_one(f"#{knob_id('CACHE_ROUTE')} Switch", Switch).value is True
 
 
 async def test_bad_model_folder_is_a_notification_not_a_crash(make_app, tmp_path):
