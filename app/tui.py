@@ -149,7 +149,7 @@ class TierlabApp(App):
     def load_engine(self) -> None:
         """Open the model without blocking the screen (first loads compile kernels)."""
         if self.engine_factory is None and self.model_dir is None:
-            self.call_from_thread(self._engine_failed, "no model: start with --model DIR")
+            self._call_ui(self._engine_failed, "no model: start with --model DIR")
             return
         try:
             if self.engine_factory is not None:
@@ -157,12 +157,12 @@ class TierlabApp(App):
             else:
                 engine = open_engine(self.model_dir, self.cache_slots, self.tier, self.heat_path)
         except TierlabError as exc:
-            self.call_from_thread(self._engine_failed, one_line(exc))
+            self._call_ui(self._engine_failed, one_line(exc))
             return
         except Exception as exc:  # an engine bug must not take the app down
-            self.call_from_thread(self._engine_failed, f"{type(exc).__name__}: {one_line(exc)}")
+            self._call_ui(self._engine_failed, f"{type(exc).__name__}: {one_line(exc)}")
             return
-        self.call_from_thread(self._engine_ready, engine)
+        self._call_ui(self._engine_ready, engine)
 
     def _engine_failed(self, message: str) -> None:
         self.sub_title = "no model"

@@ -603,3 +603,14 @@ async def test_engine_notices_such_as_a_failed_tier_become_notifications(make_ap
         await ask(pilot, "hi", max_tokens=3)
         assert any("GPU tier disabled" in text for text, _ in app.notes)
         assert not app.engine.notices
+
+
+async def test_an_engine_factory_replaces_the_model_folder(tiny_model, tmp_path):
+    from tierlab.engine.model import load_engine
+
+    app = TierlabApp(engine_factory=lambda: load_engine(tiny_model, cache_slots=3), sessions_dir=tmp_path)
+    app.notes = []  # type: ignore[attr-defined]
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        assert app.query_one(f"#{knob_id(CACHE_SLOTS)}", Knob).value == 3
+        assert "cache 3" in app.sub_title
