@@ -95,6 +95,20 @@ class EngineWatch:
             self._oracle = float(oracle())
         return self._oracle
 
+    def refresh_oracle(self) -> None:
+        """Bring the oracle up to date now (when a reply ends), so the last figure is not a second old."""
+        oracle = getattr(self.engine, "oracle_hit", None)
+        if oracle is None:
+            return
+        value = float(oracle())
+        with self.lock:
+            self._oracle, self._oracle_at = value, time.monotonic()
+            series = self.history.series.get("oracle_hit")
+            if series:
+                series[-1] = value
+            if self.history.latest:
+                self.history.latest["oracle_hit"] = value
+
     def _on_knob(self, change: KnobChange) -> None:
         self.mark(f"{change.name}={format_knob_value(change.new)}")
 

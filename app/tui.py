@@ -324,6 +324,11 @@ class TierlabApp(App):
         chat.follow()
         if error:
             self.notify(error, title="Engine", severity="error")
+        if self.watch is not None and self._engine_idle.is_set():
+            try:
+                self.watch.refresh_oracle()
+            except Exception:  # the bound is a figure, not a reason to fail
+                pass
         self.refresh_views(force=True)
 
     def action_stop(self) -> None:

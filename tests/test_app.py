@@ -154,6 +154,7 @@ async def test_prompt_streams_tokens_into_the_chat(make_app):
         # the prompt's tokens, then one decode step per new token (the last one's step is optional)
         assert len(prompt_ids) + 3 <= app.watch.tokens_seen <= len(prompt_ids) + 4
         assert app.watch.history.latest["ram_hit"] > 0
+        assert app.watch.history.latest["oracle_hit"] == pytest.approx(app.engine.oracle_hit())  # fresh at the end
         # raw mode completes plain text and keeps it out of the chat messages
         await pilot.press("ctrl+t")
         assert chat.raw_mode
