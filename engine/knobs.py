@@ -170,6 +170,11 @@ class Knobs:
             env[name] = raw
         return cls.from_env(env)
 
+    @property
+    def seq(self) -> int:
+        """Number of the last change (0 = none yet): events carry it so plots can mark changes."""
+        return self._seq
+
     def snapshot(self) -> KnobValues:
         return self._values
 

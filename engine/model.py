@@ -113,7 +113,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the sequence (KV cache, DeltaNet state); keep caches, tiers and meters."""
-        with getattr(self, "_lock", threading.RLock()):
+        with self._lock:
             self.states = [layer.mixer.new_state() for layer in self.layers]
             self.pos = 0
 
@@ -210,7 +210,7 @@ class Engine:
         if not self._listeners:
             return
         per_token_ms = {k: 1000.0 * v / T for k, v in timers.items()}
-        seq = getattr(self.knobs, "_seq", 0)
+        seq = self.knobs.seq
         for t in range(T):
             layers = [routes[t].as_event(i) for i, routes in enumerate(routes_by_layer) if routes]
             event = TokenEvent(index=start + t, token_id=int(ids[t]), phase=phase, layers=layers,
