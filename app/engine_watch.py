@@ -48,6 +48,8 @@ class EngineWatch:
         self.swap_counts = np.zeros(shape, np.int64)
         self.chosen = np.zeros(shape, bool)
         self.swapped = np.zeros(shape, bool)
+        self.layer_hits = np.zeros(self.n_layers, np.int64)
+        self.layer_misses = np.zeros(self.n_layers, np.int64)
         self.history = MeterHistory()
         self.last_event: TokenEvent | None = None
         self.meter_errors = 0
@@ -81,6 +83,8 @@ class EngineWatch:
                 subs = ids[used & np.asarray(route.swapped, bool)]
                 swapped[route.layer, subs] = True
                 self.swap_counts[route.layer, subs] += 1
+                self.layer_hits[route.layer] += route.ram_hits
+                self.layer_misses[route.layer] += route.ram_misses
             self.chosen = chosen
             self.swapped = swapped
             self.last_event = event
@@ -136,7 +140,14 @@ class EngineWatch:
                 last_use=self.last_use.copy(),
                 swap_counts=self.swap_counts.copy(),
                 token=self.tokens_seen - 1,
+                layer_hit=self.layer_hit_percent(),
             )
+
+    def layer_hit_percent(self) -> np.ndarray:
+        """RAM hit rate of each layer over the tokens watched, in percent (NaN where nothing was requested)."""
+        requests = self.layer_hits + self.layer_misses
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(requests > 0, 100.0 * self.layer_hits / np.maximum(requests, 1), np.nan)
 
     def meter_history(self) -> MeterHistory:
         """A copy of the meter history that the engine thread cannot change under the reader."""
@@ -149,6 +160,8 @@ class EngineWatch:
             self.history.clear()
             self.last_use[:] = -1
             self.swap_counts[:] = 0
+            self.layer_hits[:] = 0
+            self.layer_misses[:] = 0
             self.chosen[:] = False
             self.swapped[:] = False
 

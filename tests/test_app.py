@@ -258,6 +258,9 @@ async def test_heatmap_cells_follow_the_engine_residency(make_app):
         assert (levels == 1).sum(axis=1).tolist() == [6] * app.engine.config.n_layers
         assert heatmap.data.chosen.sum(axis=1).tolist() == [4] * app.engine.config.n_layers
         np.testing.assert_array_equal(heatmap.data.heat, app.engine.heat)
+        # the per-layer column agrees with the engine's own per-layer counters
+        hits, misses = app.engine.cache.hits, app.engine.cache.misses
+        np.testing.assert_allclose(heatmap.data.layer_hit, 100.0 * hits / (hits + misses))
         assert heatmap.data.last_use.max() == app.watch.tokens_seen - 1
         # the cursor's info line tells the cell's level
         heatmap.focus()

@@ -362,3 +362,25 @@ async def test_heatmap_lines_never_wrap_in_a_narrow_pane():
         assert len(lines) == 12
         assert all(len(line) <= 30 for line in lines)
         assert lines[-1].startswith("L0 E3") and lines[-1].endswith("…")
+
+
+async def test_heatmap_shows_per_layer_hit_rates_when_there_is_room():
+    data = sample_data(4, 8)
+    data.layer_hit = np.array([88.0, 41.0, np.nan, 100.0])
+    app = HeatmapApp(data)
+    async with app.run_test(size=(60, 12)) as pilot:
+        heatmap = app.query_one(ExpertHeatmap)
+        assert heatmap.shows_side
+        lines = heatmap.render().plain.split("\n")
+        assert "RAM hit" in lines[0]
+        assert lines[1].rstrip().endswith("88%  41%")
+        assert lines[2].rstrip().endswith("– 100%")
+        assert all(len(line) <= 60 for line in lines)
+        # hover still finds the right expert with the narrower cells
+        await pilot.hover("#hm", offset=(GUTTER + 3 * heatmap.cell_width, 1))
+        assert heatmap.hover == (0, 3)
+    wide = HeatmapData.empty(4, 256)
+    wide.layer_hit = np.zeros(4)
+    app = HeatmapApp(wide)
+    async with app.run_test(size=(100, 12)) as pilot:
+        assert not app.query_one(ExpertHeatmap).shows_side  # experts first: no room, no column

@@ -28,6 +28,8 @@ MODES = ("residency", "heat", "token", "swaps")
 FOLDS = ("auto", "fold", "scroll")
 GUTTER = 4
 """Columns for the row labels (the even layer of each row)."""
+SIDE_WIDTH = 12
+"""Columns of the per-layer RAM hit column, drawn right of the grid when every expert fits beside it."""
 MAX_CELL_WIDTH = 4
 """Few experts (a tiny model) are drawn up to this many columns wide each, so they stay easy to hit."""
 MAX_REDRAWS_PER_SECOND = 10
@@ -52,6 +54,7 @@ class HeatmapData:
     last_use: np.ndarray  # int64[L, E]: token index of the latest use, -1 never
     swap_counts: np.ndarray = field(default=None)  # type: ignore[assignment]  # int64[L, E]
     token: int = -1
+    layer_hit: np.ndarray | None = None  # float[L]: RAM hit % per layer (NaN: no requests yet); None: not shown
 
     def __post_init__(self) -> None:
         if self.swap_counts is None:
@@ -248,16 +251,28 @@ class ExpertHeatmap(Widget, can_focus=True):
         return max(1, self.size.width - GUTTER)
 
     @property
+    def shows_side(self) -> bool:
+        """Is there room for the per-layer hit column next to all experts?"""
+        if self.data is None or self.data.layer_hit is None:
+            return False
+        return self.data.shape[1] <= self.grid_width - SIDE_WIDTH
+
+    @property
+    def content_width(self) -> int:
+        """Columns for expert cells (the grid minus the side column when it is shown)."""
+        return self.grid_width - SIDE_WIDTH if self.shows_side else self.grid_width
+
+    @property
     def cell_width(self) -> int:
         """Columns per expert: 1, or more when all experts fit several times over."""
         if self.data is None or self.data.shape[1] == 0:
             return 1
-        return max(1, min(MAX_CELL_WIDTH, self.grid_width // self.data.shape[1]))
+        return max(1, min(MAX_CELL_WIDTH, self.content_width // self.data.shape[1]))
 
     @property
     def experts_across(self) -> int:
         """Experts that fit on one line."""
-        return max(1, self.grid_width // self.cell_width)
+        return max(1, self.content_width // self.cell_width)
 
     @property
     def grid_height(self) -> int:
@@ -411,6 +426,18 @@ class ExpertHeatmap(Widget, can_focus=True):
             return text
         return self.describe(*self.cursor)
 
+    def _side_text(self, top: int, bottom: int) -> str:
+        """RAM hit % of the two layers of a row, e.g. '  88%  41%'."""
+        assert self.data is not None and self.data.layer_hit is not None
+
+        def pct(layer: int) -> str:
+            if layer >= self.data.shape[0]:  # type: ignore[union-attr]
+                return ""
+            value = float(self.data.layer_hit[layer])  # type: ignore[index]
+            return "   –" if math.isnan(value) else f"{value:3.0f}%"
+
+        return f"  {pct(top)} {pct(bottom)}"
+
     def _ruler(self, first: int, last: int) -> str:
         cell = self.cell_width
         width = (last - first) * cell
@@ -448,6 +475,8 @@ class ExpertHeatmap(Widget, can_focus=True):
                     where = f" ◀{line.first_expert}–{line.last_expert - 1} of {n_experts}▶"
                     ruler = ruler[: max(0, len(ruler) - len(where))] + where
                 text.append(ruler, ruler_style)
+                if self.shows_side:
+                    text.append("  RAM hit", ruler_style)
                 text.append("\n")
                 continue
             top = 2 * line.row
@@ -465,6 +494,8 @@ class ExpertHeatmap(Widget, can_focus=True):
                     text.append(block, Style(color=top_color))
                 else:
                     text.append(block, half_block_style(top_color, bottom_color))
+            if self.shows_side:
+                text.append(self._side_text(top, bottom), ruler_style)
             text.append("\n")
         for _ in range(self.grid_height - len(visible)):
             text.append("\n")
