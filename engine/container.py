@@ -156,10 +156,6 @@ class ContainerExpertSource:
             os.close(self._fd)
             self._fd = -1
             raise ModelError(f"truncated: {size} bytes, the container needs {self.info.experts_nbytes}", path)
-        if hasattr(os, "posix_fadvise"):
-            # experts are read whole and in routing order: kernel readahead past a
-            # blob would only fetch bytes of an expert that may never be asked for
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def read(self, layer: int, expert: int, out: np.ndarray) -> None:
         """Fill out[:blob_nbytes] with expert (layer, expert), in one preadv."""
