@@ -223,3 +223,25 @@ def test_wrong_shapes_are_refused_before_the_kernel_reads_out_of_bounds(rng):
         K.expert_forward_int8(blob[:-1], 128, 64, np.ones(128, np.float32), np.zeros(128, np.float32), 1.0)
     with pytest.raises(ValueError, match="float32 y"):
         K.expert_forward_int8(blob, 128, 64, np.ones(128, np.float32), np.zeros(128), 1.0)
+
+
+def test_kernels_can_run_from_two_threads_at_once(rng):
+    """The engine computes on its own thread while another may (GPU tier fallback,
+    app): the parallel kernels must be safe to enter concurrently."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    q, s = Q.quantize(rng.standard_normal((256, 512)), 4)
+    packed = Q.pack_int4(q)
+    xs = [rng.standard_normal(512).astype(np.float32) for _ in range(2)]
+    refs = [Q.dequantize(q, s) @ x.astype(np.float64) for x in xs]
+
+    def work(i):
+        out = np.empty(256, dtype=np.float32)
+        for _ in range(50):
+            K.matvec_int4(packed, s, xs[i], out)
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(work, range(2)))
+    for got, ref in zip(results, refs):
+        _close(got, ref)
