@@ -384,3 +384,15 @@ async def test_heatmap_shows_per_layer_hit_rates_when_there_is_room():
     app = HeatmapApp(wide)
     async with app.run_test(size=(100, 12)) as pilot:
         assert not app.query_one(ExpertHeatmap).shows_side  # experts first: no room, no column
+
+
+async def test_integer_big_step_is_a_tenth_of_the_range_and_follows_it():
+    app = KnobApp()
+    async with app.run_test(size=(60, 10)) as pilot:
+        knob = app.query_one("#j", Knob)
+        knob.set_range(0, 256, default=12)
+        knob.focus()
+        await pilot.press("home", "pageup")
+        assert knob.value == 26
+        await pilot.press("delete")
+        assert knob.value == 12

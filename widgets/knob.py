@@ -117,8 +117,15 @@ class Knob(Widget, can_focus=True):
         self.high = float(max(high, low))
         self._wanted_default = float(low if default is None else default)
         self.default = self.clamp(self._wanted_default)
-        self.step = step if step is not None else (1.0 if integer else (self.high - self.low) / 100 or 0.01)
-        self.big_step = big_step if big_step is not None else max(self.step, (self.high - self.low) / 10)
+        self._auto_step = step is None
+        self._auto_big_step = big_step is None
+        self.step = 1.0 if integer else 0.01
+        self.big_step = 1.0
+        self._fit_steps()
+        if step is not None:
+            self.step = float(step)
+        if big_step is not None:
+            self.big_step = float(big_step)
         self._dragging = False
         if help:
             self.tooltip = f"{knob_name}: {help}"
@@ -141,12 +148,18 @@ class Knob(Widget, can_focus=True):
             self._wanted_default = float(default)
         self.low = float(low)
         self.high = float(max(high, low))
-        if not self.integer:
-            self.step = (self.high - self.low) / 100 or 0.01
-            self.big_step = max(self.step, (self.high - self.low) / 10)
+        self._fit_steps()
         self.default = self.clamp(self._wanted_default)
         self.set_reactive(Knob.value, self.clamp(self.value))
         self.refresh()
+
+    def _fit_steps(self) -> None:
+        """Steps not given explicitly follow the range: a hundredth (or 1) and a tenth (at least 1 for integers)."""
+        span = self.high - self.low
+        if self._auto_step:
+            self.step = 1.0 if self.integer else (span / 100 or 0.01)
+        if self._auto_big_step:
+            self.big_step = max(1.0, float(round(span / 10))) if self.integer else max(self.step, span / 10)
 
     def validate_value(self, value: float) -> float:
         return self.clamp(value)
