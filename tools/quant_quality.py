@@ -1,0 +1,59 @@
+"""What int8 and int4 expert containers cost in quality, for docs/benchmarks.md.
+
+    python tools/quant_quality.py MODEL_DIR [MODEL_DIR ...] [--tokens 512]
+
+For each model: convert its experts to int8 and int4 containers (dense
+weights stay as they are), then teacher-force the same text through all three
+and print the TF-NLL and its relative change. The text is the model's
+`heldout.txt` when it has one, else random token ids (for synthetic slices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from tierlab.engine.container import convert
+from tierlab.engine.evaluate import teacher_forced_nll
+from tierlab.engine.model import load_engine
+
+
+def reference(model: Path, n: int) -> tuple[list[int], list[int], str]:
+    heldout = model / "heldout.txt"
+    if heldout.exists():
+        from tierlab.engine.tokenizer import Tokenizer
+
+        ids = Tokenizer.from_folder(model).encode(heldout.read_text(encoding="utf-8"))[: 32 + n]
+        return ids[:32], ids, "heldout.txt"
+    engine = load_engine(model, with_tokenizer=False)
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, engine.config.vocab_size, 32 + n)]
+    return ids[:32], ids, "random ids"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", type=Path)
+    parser.add_argument("--tokens", type=int, default=512)
+    args = parser.parse_args()
+    print("| model | text | tokens | source experts | TF-NLL | int8 | int8 change | int4 | int4 change |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model in args.models:
+        prompt, full, text = reference(model, args.tokens)
+        base_engine = load_engine(model, with_tokenizer=False)
+        kind = base_engine.cache.source.kind
+        base, n = teacher_forced_nll(base_engine, prompt, full)
+        cells = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for bits in (8, 4):
+                out = Path(tmp) / f"int{bits}"
+                convert(model, out, bits=bits)
+                nll, _ = teacher_forced_nll(load_engine(out, with_tokenizer=False), prompt, full)
+                cells += [f"{nll:.4f}", f"{100 * (nll - base) / base:+.2f}%"]
+        print(f"| {model.name} | {text} | {n} | {kind} | {base:.4f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
