@@ -263,7 +263,8 @@ text and docstrings; it is a test subject for caches and routing, not a useful a
   On `heldout.txt` ({st['heldout_txt_tokens']} tokens): {st['heldout_txt_nll']:.3f} vs unigram {st['heldout_txt_unigram_ce']:.3f}.
 - Routing over the same held-out tokens (means over layers; uniform routing in brackets):
   per-token router entropy {r['mean']['router_entropy']:.3f} (log E = {r['log_E']:.3f});
-  expert usage entropy {r['mean']['usage_entropy']:.3f} (balanced by the aux loss);
+  entropy of the expert usage (top-k counts) {r['mean']['usage_entropy']:.3f} (transformers' aux loss balances the
+  usage summed over all layers, not each layer, so single layers can be skewed);
   top-k reuse between consecutive tokens {r['mean']['reuse']:.3f} ({r['uniform_reuse']:.3f});
   hit rate of a per-layer LRU cache of {r['num_experts'] // 2} experts {r['mean']['lru_half_hit']:.3f} ({r['uniform_lru_half_hit']:.3f}).
 
