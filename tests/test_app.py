@@ -577,12 +577,14 @@ async def test_the_lever_shows_swaps_in_the_heatmap_and_meters(make_app):
         assert "swaps" in heatmap.render().plain.split("\n")[-2]
 
 
-SHIPPED = __import__("tierlab").ASSETS_DIR / "tiny-moe"
+ASSETS = __import__("tierlab").ASSETS_DIR
 
 
-@pytest.mark.skipif(not (SHIPPED / "config.json").exists(), reason="the shipped model is not in assets/ yet")
-async def test_the_shipped_model_answers_in_the_app(tmp_path):
-    app = TierlabApp(SHIPPED, sessions_dir=tmp_path)
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-8x2"])
+async def test_the_shipped_models_answer_in_the_app(name, tmp_path):
+    if not (ASSETS / name / "config.json").exists():
+        pytest.skip(f"assets/{name} is not there yet")
+    app = TierlabApp(ASSETS / name, sessions_dir=tmp_path)
     app.notes = []  # type: ignore[attr-defined]
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
