@@ -9,7 +9,12 @@ import tierlab
 
 
 def default_model() -> Path:
-    return tierlab.ASSETS_DIR / "tiny-moe"
+    """The shipped model: assets/tiny-moe, else another shipped model folder (the header shows which)."""
+    main = tierlab.ASSETS_DIR / "tiny-moe"
+    if (main / "config.json").exists():
+        return main
+    others = sorted(p.parent for p in tierlab.ASSETS_DIR.glob("*/config.json"))
+    return others[0] if others else main
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
