@@ -1,6 +1,12 @@
 """tierlab: cache-aware routing lab for Mixture-of-Experts LLMs with tiered experts."""
 
+import os
 from pathlib import Path
+
+# A spinning OpenMP worker on a 2-core machine steals the core its partner needs:
+# numba's parallel kernels must wait passively. This must be set before numba
+# starts its thread pool, so it is set when the package is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
