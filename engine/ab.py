@@ -42,9 +42,12 @@ class RowResult:
     matching: int = 0
     total: int = 0
     tf_nll: float | None = None
+    tf_meters: dict = field(default_factory=dict)  # the routing meters of the teacher-forced run
 
-    def as_row(self) -> dict:
-        m = self.meters
+    def as_row(self, meters_from: str = "generation") -> dict:
+        """A table row; `meters_from="teacher_forced"` takes hit rates and routing meters from the
+        teacher-forced run (real text) instead of the greedy generation (which may loop)."""
+        m = self.tf_meters if meters_from == "teacher_forced" else self.meters
         lever = self.spec.knobs.CACHE_ROUTE
         meters_on = self.spec.knobs.meters_on
         return {
@@ -133,6 +136,8 @@ def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts:
                 engine.knobs = Knobs(res.spec.knobs)
                 engine.cold_start()
                 res.tf_nll, _ = teacher_forced_nll(engine, prompt, full)
+                res.tf_meters = {**engine.meters(), "oracle_hit": engine.oracle_hit(),
+                                 "gpu_tier": engine.tier is not None}
         return results
     finally:
         for engine in engines.values():

@@ -141,16 +141,29 @@ class ExpertCache:
         return st["store"][s], not must_load
 
     def acquire_token(self, layer: int, experts: list[int]) -> "TokenFetch | None":
-        """Claim slots for all of one token's experts at once, in rank order, counting hits and
-        misses as acquire() would; misses after the first are read in the background while the
-        caller computes the earlier ones. None when the layer has fewer slots than experts
+        """Claim slots for all of one token's experts at once, counting hits and misses; a
+        token's resident experts are held before its misses pick victims (the K experts of a
+        token are needed together). Misses after the first are read in the background while
+        the caller computes the earlier ones. None when the layer has fewer slots than experts
         (then the caller acquires one at a time)."""
         if len(experts) > self.slots or len(set(experts)) != len(experts):
             return None
         st = self._layers[layer]
-        plan = []
+        plan: list = [None] * len(experts)
         with self._cond:
-            for e in experts:
+            # first hold the experts already resident, so that loading this token's misses
+            # never evicts one of its own hits; then claim slots for the misses in rank order
+            for i, e in enumerate(experts):
+                s = int(st["slot_of"][e])
+                if s >= 0 and not st["loading"][s]:
+                    st["busy"][s] += 1
+                    self._clock += 1
+                    st["last"][s] = self._clock
+                    self.hits[layer] += 1
+                    plan[i] = (e, s, False)
+            for i, e in enumerate(experts):
+                if plan[i] is not None:
+                    continue
                 s, must_load = self._claim(layer, e)
                 st["busy"][s] += 1
                 self._clock += 1
@@ -159,7 +172,7 @@ class ExpertCache:
                     self.misses[layer] += 1
                 else:
                     self.hits[layer] += 1
-                plan.append((e, s, must_load))
+                plan[i] = (e, s, must_load)
         fetch = TokenFetch(self, layer, plan)
         missing = [(e, s) for e, s, must in plan if must]
         for e, s in missing[1:]:

@@ -4,9 +4,12 @@
     python tools/routing_sweep.py strategies [--model assets/tiny-moe] [--cache N] [--plot FILE]
 
 Both run `tierlab.engine.ab.run_ab` on a reference made from the model's
-held-out text (prompt = its first 32 tokens, continuation = the next N), so
-TF-NLL is measured on real held-out text. Routing meters are deterministic;
-no timings are taken (repeat 0). Prints markdown.
+held-out text (prompt = its first 32 tokens, continuation = the next N), and
+report the teacher-forced run: TF-NLL, hit rates and routing meters all come
+from feeding real held-out text (a tiny model's greedy continuation loops,
+which would flatter every cache). "ids match" is still the greedy decode
+against the held-out text. Routing meters are deterministic; no timings are
+taken (repeat 0). Prints markdown.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def fixture(args) -> None:
     rows = ["off", "CACHE_ROUTE=1", "CACHE_ROUTE=1 ROUTE_J=1", "CACHE_ROUTE=1 ROUTE_J=0"]
     results = run_ab(args.model, prompt, full, rows, repeat=0, default_engine={"CACHE": str(args.cache)},
                      progress=lambda s: print(s, file=sys.stderr))
-    print(render_markdown([r.as_row() for r in results]))
+    print(render_markdown([r.as_row("teacher_forced") for r in results]))
 
 
 def strategy_rows(k: int, n_experts: int) -> list[tuple[str, str]]:
@@ -58,7 +61,7 @@ def strategies(args) -> None:
     labelled = strategy_rows(cfg.top_k, cfg.n_experts)
     results = run_ab(args.model, prompt, full, [r for _, r in labelled], repeat=0,
                      default_engine={"CACHE": str(cache)}, progress=lambda s: print(s, file=sys.stderr))
-    rows = [r.as_row() for r in results]
+    rows = [r.as_row("teacher_forced") for r in results]
     print(f"{cfg.n_layers} layers x {cfg.n_experts} experts, top-{cfg.top_k}, RAM cache {cache} slots per layer, "
           f"{len(full) - len(prompt)} held-out tokens\n")
     print(render_markdown(rows))
