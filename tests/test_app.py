@@ -18,8 +18,9 @@ from tierlab.app.sessions_screen import SessionsScreen
 from tierlab.app.tui import TierlabApp
 from tierlab.engine.heat import HeatProfile
 from tierlab.engine.sessionlog import read_session_log
-from tierlab.widgets.heatmap import ExpertHeatmap
+from tierlab.widgets.heatmap import ExpertHeatmap, HeatmapData
 from tierlab.widgets.knob import Knob
+from tierlab.widgets.meters import MeterHistory, MeterPlot, MetersPanel
 
 TINY = dict(vocab=260, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, experts=16, top_k=4, inter=32)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -423,20 +424,48 @@ async def test_engine_error_during_generation_is_a_notification(make_app):
 
 # -- snapshots -------------------------------------------------------------------
 
-FIXED_METERS = {"tok_s": 12.5, "fetch_ms": 1.25, "compute_ms": 40.0, "oracle_hit": 75.0}
-"""Timings and the once-a-second oracle depend on the machine: snapshots show these instead."""
+def snapshot_heatmap(n_layers: int, n_experts: int) -> HeatmapData:
+    """A fixed picture for the heatmap: residency, heat, one token's choice, swaps and per-layer hits."""
+    layers, experts = np.meshgrid(np.arange(n_layers), np.arange(n_experts), indexing="ij")
+    data = HeatmapData.empty(n_layers, n_experts)
+    data.levels[:] = np.where((layers + experts) % 5 == 0, 2, np.where((layers * 3 + experts) % 4 == 0, 1, 0))
+    data.heat[:] = (layers * 7 + experts * 13) % 23
+    data.chosen[:] = (experts - layers) % 4 == 0
+    data.swapped[:] = data.chosen & (experts % 8 == 4)
+    data.last_use[:] = np.where(data.heat > 5, 40 - layers, -1)
+    data.swap_counts[:] = (experts % 8 == 4) * (layers + 1)
+    data.layer_hit = np.linspace(45.0, 90.0, n_layers)
+    data.token = 41
+    return data
+
+
+def snapshot_meters() -> MeterHistory:
+    """Forty tokens of fixed meter values with one knob change at token 20."""
+    history = MeterHistory()
+    for t in range(40):
+        lever = t >= 20
+        history.add(t, {"ram_hit": 45.0 + t * (1.0 if lever else 0.2), "vram_hit": 0.0, "oracle_hit": 80.0,
+                        "swap": 10.6 if lever else 0.0, "swaps_to_vram": 0, "route_agree": 89.4 if lever else 100.0,
+                        "route_kl": 1.85 if lever else 0.0, "tok_s": 12.0 + (t % 5), "fetch_ms": 2.5, "compute_ms": 40.0})
+    history.mark(20, "CACHE_ROUTE=1")
+    return history
 
 
 async def settle_for_snapshot(pilot) -> None:
-    """A greedy three-token reply, then machine-dependent meters pinned so the picture is reproducible."""
+    """The real app and engine, showing a fixed conversation, heatmap and meters: only the UI is pictured.
+
+    Replies, residency and timings come from the engine and the machine, and change whenever either
+    does; the UI is what these snapshots are about.
+    """
     app = await ready(pilot)
-    await ask(pilot, "hi", max_tokens=3)
-    with app.watch.lock:
-        history = app.watch.history
-        for key, value in FIXED_METERS.items():
-            history.series[key] = type(history.series[key])([value] * len(history.tokens), maxlen=history.limit)
-            history.latest[key] = value
-    app.refresh_views(force=True)
+    chat = app.query_one(ChatPane)
+    chat.add("user", "Why do experts move between tiers?")
+    chat.add("assistant", "The router picks a few experts per token; the cache keeps the recent ones close.")
+    config = app.engine.config
+    app.query_one(ExpertHeatmap).update_data(snapshot_heatmap(config.n_layers, config.n_experts), now=True)
+    history = snapshot_meters()
+    app.query_one(MetersPanel).show(history)
+    app.query_one(MeterPlot).show(history)
     app.query_one(ExpertHeatmap).focus()
     await pilot.pause(0.3)
 
