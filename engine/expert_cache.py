@@ -119,18 +119,24 @@ class ExpertCache:
             self._cond.notify_all()
 
     # -- use -----------------------------------------------------------------
+    def _take(self, layer: int, expert: int) -> tuple[int, bool]:
+        """Under the lock: claim the expert's slot, mark it in use and recent, count hit or miss."""
+        st = self._layers[layer]
+        s, must_load = self._claim(layer, expert)
+        st["busy"][s] += 1
+        self._clock += 1
+        st["last"][s] = self._clock
+        if must_load:
+            self.misses[layer] += 1
+        else:
+            self.hits[layer] += 1
+        return s, must_load
+
     def acquire(self, layer: int, expert: int) -> tuple[np.ndarray, bool]:
         """The expert's blob, loading it on a miss; counts a hit or miss. Pair with release()."""
         st = self._layers[layer]
         with self._cond:
-            s, must_load = self._claim(layer, expert)
-            st["busy"][s] += 1
-            self._clock += 1
-            st["last"][s] = self._clock
-            if must_load:
-                self.misses[layer] += 1
-            else:
-                self.hits[layer] += 1
+            s, must_load = self._take(layer, expert)
         if must_load:
             try:
                 self._load(layer, expert, s)
@@ -153,26 +159,10 @@ class ExpertCache:
         with self._cond:
             # first hold the experts already resident, so that loading this token's misses
             # never evicts one of its own hits; then claim slots for the misses in rank order
-            for i, e in enumerate(experts):
-                s = int(st["slot_of"][e])
-                if s >= 0 and not st["loading"][s]:
-                    st["busy"][s] += 1
-                    self._clock += 1
-                    st["last"][s] = self._clock
-                    self.hits[layer] += 1
-                    plan[i] = (e, s, False)
-            for i, e in enumerate(experts):
-                if plan[i] is not None:
-                    continue
-                s, must_load = self._claim(layer, e)
-                st["busy"][s] += 1
-                self._clock += 1
-                st["last"][s] = self._clock
-                if must_load:
-                    self.misses[layer] += 1
-                else:
-                    self.hits[layer] += 1
-                plan[i] = (e, s, must_load)
+            resident = [i for i, e in enumerate(experts)
+                        if st["slot_of"][e] >= 0 and not st["loading"][st["slot_of"][e]]]
+            for i in resident + [i for i in range(len(experts)) if i not in resident]:
+                plan[i] = (experts[i], *self._take(layer, experts[i]))
         fetch = TokenFetch(self, layer, plan)
         missing = [(e, s) for e, s, must in plan if must]
         for e, s in missing[1:]:
