@@ -43,7 +43,7 @@ tmux new-session -d -s "$SESSION" -x 100 -y 30 \
 wait_for "tierlab — .* 0 tok" 90                       # engine loaded, header shows the model
 tmux send-keys -t "$SESSION" "hello smoke" Enter
 wait_for "hello smoke" 15                              # the prompt is in the conversation
-wait_for "generating" 15
+wait_for "· [1-9][0-9]* tok" 60                        # tokens went through the engine
 wait_gone "generating" 120                             # the reply finished
 wait_for "RAM hit +[0-9.]+%" 5                          # meters filled in
 
