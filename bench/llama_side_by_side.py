@@ -20,16 +20,25 @@ What it does:
    as extra rows;
 3. decode tok/s of both engines in one interleaved run (tierlab, llama.cpp,
    tierlab, llama.cpp, ...), same random prompt ids, same prompt and decode
-   lengths, greedy, 2 threads each; warm (files in the page cache) and a
+   lengths, greedy, 2 threads each; warm (files in the page cache), a
    streaming regime (tierlab `--cache` well below the expert count, page
-   cache dropped before each run of either engine);
+   cache dropped before each run of either engine: rows stream-*), a cold
+   start with every slot (cold-*) and both engines inside one memory cgroup
+   smaller than the model, so that both must stream experts from disk
+   (squeeze-*; cgroup v1 memory controller, root);
 4. a markdown table: medians, ratio, each engine's share of the roofline
    (memory bandwidth measured by `tierlab bench decode` in the same run,
    divided into the weight bytes one token reads in that engine's own file).
 
 The converter's pre-tokenizer check does not know the synthetic tokenizer;
-it is patched at run time (the pre-tokenizer is reported as "qwen2"). Nothing
-of llama.cpp is copied here or edited on disk.
+it is patched at run time (the pre-tokenizer is reported as "qwen2", one
+dummy BPE merge is added, `--no-mtp`). Nothing of llama.cpp is copied here or
+edited on disk.
+
+llama.cpp runs with OMP_WAIT_POLICY=PASSIVE (as tierlab's own OpenMP layer):
+libgomp's spinning workers made it ~20x slower on the busy 2-vCPU machine.
+A file whose run dies with SIGILL (the native build's AMX path, seen on
+2-D Q8_0/Q4_0 matrices) is rerun with use_extra_bufts=false.
 
 Internal subcommands (run in a fresh process each): `_gguf` converts,
 `_llama` runs one llama.cpp decode measurement and prints one JSON line.
@@ -229,7 +238,10 @@ def cmd_llama(args: argparse.Namespace) -> None:
         out.append(tok)
         llm.eval([tok])
     decode_s = time.perf_counter() - t0
-    print(json.dumps({"prefill_tok_s": args.prompt_tokens / prefill_s, "decode_tok_s": args.tokens / decode_s,
+    import resource
+
+    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                      "prefill_tok_s": args.prompt_tokens / prefill_s, "decode_tok_s": args.tokens / decode_s,
                       "cold": dropped, "extra_bufts": bool(llm.model_params.use_extra_bufts),
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "tokens": out[:8]}))
 
@@ -243,23 +255,36 @@ def run_json(cmd: list[str], timeout: float = 900) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def tierlab_run(a, model: Path, cache: int | None, cold: bool, prompt_tokens: int) -> dict:
+CGROUP = Path("/sys/fs/cgroup/memory/tierlab-sbs")
+
+
+def cgroup_prefix(limit_mib: int) -> list[str]:
+    """A memory cgroup (v1) holding both engines in the squeezed rows: anonymous memory and page cache
+    together may not exceed limit_mib, so a model larger than that streams from disk in either engine."""
+    if not limit_mib:
+        return []
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(str(limit_mib << 20))
+    return ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "sh"]
+
+
+def tierlab_run(a, model: Path, cache: int | None, cold: bool, prompt_tokens: int, prefix=()) -> dict:
     cmd = [a.tierlab, "bench", "decode", "--model", str(model), "--tokens", str(a.tokens),
            "--prompt-tokens", str(prompt_tokens), "--json"]
     if cache:
         cmd += ["--cache", str(cache)]
     if cold:
         cmd += ["--cold"]
-    env_cmd = ["env", f"NUMBA_NUM_THREADS={a.threads}"] + cmd
+    env_cmd = list(prefix) + ["env", f"NUMBA_NUM_THREADS={a.threads}"] + cmd
     return run_json(env_cmd)
 
 
-def llama_run(a, gguf_path: Path, cold: bool, vocab: int, prompt_tokens: int) -> dict:
+def llama_run(a, gguf_path: Path, cold: bool, vocab: int, prompt_tokens: int, prefix=()) -> dict:
     # OpenMP workers that spin (libgomp's default) lose whole time slices at every graph barrier on a
     # busy 2-vCPU machine (measured: ~0.5 tok/s instead of ~12 here); tierlab sets PASSIVE for its own
     # OpenMP layer, so llama.cpp gets the same.
     env = ["env", f"OMP_WAIT_POLICY={a.llama_omp_wait}"] if a.llama_omp_wait else []
-    cmd = env + [sys.executable, str(HERE), "_llama", "--gguf", str(gguf_path), "--tokens", str(a.tokens),
+    cmd = list(prefix) + env + [sys.executable, str(HERE), "_llama", "--gguf", str(gguf_path), "--tokens", str(a.tokens),
                  "--prompt-tokens", str(prompt_tokens), "--threads", str(a.threads), "--vocab", str(vocab)]
     if cold:
         # weights stay mmapped (no repacked copy in anonymous memory), so the page-cache drop matters
@@ -355,6 +380,9 @@ def main() -> None:
                    help="prompt length in the streaming rows (short, so that decode itself meets the cold experts)")
     p.add_argument("--rows", default="bf16,int8,int4,int8-all,int4-all,stream-int4,stream-bf16",
                    help="comma list of rows to run")
+    p.add_argument("--mem-limit-mib", type=int, default=1280,
+                   help="memory cgroup limit (anonymous + page cache) in the squeeze-* rows")
+    p.add_argument("--squeeze-cache", type=int, default=16, help="tierlab --cache in the squeeze-* rows")
     p.add_argument("--json-out", default="", help="write every raw measurement here")
     p.add_argument("--llama-omp-wait", default="PASSIVE", help="OMP_WAIT_POLICY for llama.cpp ('' = libgomp default)")
     a = p.parse_args()
@@ -381,6 +409,14 @@ def main() -> None:
                         "bf16", "BF16", a.stream_cache, True),
         "stream-int8": (f"streaming int8 / Q8_0 experts, cache {a.stream_cache}/{a.experts}, cold",
                         "int8", "Q8_0-experts", a.stream_cache, True),
+        # page cache dropped, but tierlab's RAM cache holds every expert, as llama.cpp's mapping does
+        "cold-int4": (f"cold int4 / Q4_0 experts, cache {a.experts}/{a.experts}", "int4", "Q4_0-experts", None, True),
+        "cold-bf16": (f"cold bf16 / BF16, cache {a.experts}/{a.experts}", "bf16", "BF16", None, True),
+        # both engines in one memory cgroup smaller than the model: experts really stream from disk
+        "squeeze-int4": (f"squeezed int4 / Q4_0 experts, {a.mem_limit_mib} MiB cgroup, cache "
+                         f"{a.squeeze_cache}/{a.experts}, cold", "int4", "Q4_0-experts", a.squeeze_cache, True, True),
+        "squeeze-int8": (f"squeezed int8 / Q8_0 experts, {a.mem_limit_mib} MiB cgroup, cache "
+                         f"{a.squeeze_cache}/{a.experts}, cold", "int8", "Q8_0-experts", a.squeeze_cache, True, True),
     }
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     log(f"llama-cpp-python {llama_cpp.__version__}; load {loadavg()}")
@@ -388,18 +424,19 @@ def main() -> None:
     table = []
     loads = [os.getloadavg()[0]]
     for key in rows:
-        label, tmodel, gname, cache, cold = spec[key]
+        label, tmodel, gname, cache, cold, *squeeze = spec[key]
         tpath, gpath = paths[tmodel], paths[gname]
+        prefix = cgroup_prefix(a.mem_limit_mib) if squeeze else []
         bpt = gguf_bytes_per_token(gpath)
         if not cold:
             warm_files(tpath, gpath)
         ts, ls = [], []
         for rep in range(a.repeats):
             npr = a.stream_prompt_tokens if cold else a.prompt_tokens
-            t = tierlab_run(a, tpath, cache, cold, npr)
+            t = tierlab_run(a, tpath, cache, cold, npr, prefix)
             ts.append(t)
             log(f"{key} #{rep} tierlab {t['decode_tok_s']:.2f} tok/s (bw {t['bandwidth_gbs']:.1f} GB/s) load {loadavg()}")
-            lres = llama_run(a, gpath, cold, vocab, npr)
+            lres = llama_run(a, gpath, cold, vocab, npr, prefix)
             ls.append(lres)
             log(f"{key} #{rep} llama.cpp {lres['decode_tok_s']:.2f} tok/s load {loadavg()}")
             loads.append(os.getloadavg()[0])
@@ -409,6 +446,7 @@ def main() -> None:
         t_bytes = ts[0]["weight_bytes"]["total"]
         row = {
             "row": key, "label": label, "tierlab_decode": t_dec, "llama_decode": l_dec, "ratio": t_dec / l_dec,
+            "pair_ratio": med([t["decode_tok_s"] / x["decode_tok_s"] for t, x in zip(ts, ls)]),
             "tierlab_prefill": t_pre, "llama_prefill": l_pre, "bandwidth_gbs": bw,
             "tierlab_mib_per_token": t_bytes / 2**20, "llama_mib_per_token": bpt["total"] / 2**20,
             "tierlab_roofline_share": t_dec * t_bytes / (bw * 1e9),
@@ -424,16 +462,24 @@ def main() -> None:
             Path(a.json_out).write_text(json.dumps({"rows": table, "raw": raw}, indent=1))
 
     print(f"\nllama-cpp-python {llama_cpp.__version__}, {a.threads} threads each; slice {a.layers} layers x "
-          f"{a.experts} experts; prompt {a.prompt_tokens}, decode {a.tokens} tokens; {a.repeats} interleaved "
+          f"{a.experts} experts; prompt {a.prompt_tokens} (streaming/cold rows: {a.stream_prompt_tokens}), decode "
+          f"{a.tokens} tokens; {a.repeats} interleaved "
           f"repeats, medians; 1-min load average {min(loads):.1f}-{max(loads):.1f}\n")
-    print("| tierlab / llama.cpp | tierlab tok/s | llama.cpp tok/s | ratio | tierlab MiB/tok, roofline share "
+    print("| tierlab / llama.cpp | tierlab tok/s | llama.cpp tok/s | ratio (of medians; median of pairs) "
+          "| tierlab MiB/tok, roofline share "
           "| llama.cpp MiB/tok, roofline share | prefill tok/s tierlab / llama.cpp | bandwidth GB/s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in table:
-        print(f"| {r['label']} | {r['tierlab_decode']:.2f} | {r['llama_decode']:.2f} | {r['ratio']:.2f}x "
+        print(f"| {r['label']} | {r['tierlab_decode']:.2f} | {r['llama_decode']:.2f} | {r['ratio']:.2f}x; "
+              f"{r['pair_ratio']:.2f}x "
               f"| {r['tierlab_mib_per_token']:.0f}, {100 * r['tierlab_roofline_share']:.0f}% "
               f"| {r['llama_mib_per_token']:.0f}, {100 * r['llama_roofline_share']:.0f}% "
               f"| {r['tierlab_prefill']:.1f} / {r['llama_prefill']:.1f} | {r['bandwidth_gbs']:.1f} |")
+    if CGROUP.is_dir():
+        try:
+            CGROUP.rmdir()  # empty once the runs have exited
+        except OSError:
+            pass
     print("\ntierlab ms/token per phase (medians):")
     for r in table:
         ms = r["tierlab_ms_per_token"]
