@@ -48,3 +48,28 @@ echo "== same, the other row strategy (group <-> row), for comparison"
 echo "== default kernel, 64 experts per call (device throughput rather than per-call overhead)"
 "$PY" -m tierlab.engine.tiers.bench_tier --hidden 2048 --inter 512 --per-call 64 --resident 64 \
     --seconds "${SECONDS_PER_KIND:-2}"
+
+echo "== engine A/B: tier off vs on, on a synthetic real-shape Qwen3.6 slice"
+# 4 layers x 32 experts (SLICE_LAYERS, SLICE_EXPERTS) at the real per-layer
+# shapes, int4 container; the RAM cache holds a quarter of the experts and the
+# tier budget about a quarter, so residency matters. The
+# heat profile is written by a first lever-off run and then made read-only,
+# as in the seed's protocol, so every tier row plans from the same bytes.
+WORK=${WORK:-/tmp/tierlab-gpu}
+mkdir -p "$WORK"
+if [ ! -d "$WORK/slice4" ]; then
+    "$VENV/bin/tierlab" make-synthetic --arch qwen3_5_moe --layers "${SLICE_LAYERS:-4}" \
+        --experts "${SLICE_EXPERTS:-32}" --out "$WORK/slice"
+    "$VENV/bin/tierlab" convert --model "$WORK/slice" --out "$WORK/slice4" --bits 4 --force
+fi
+"$VENV/bin/tierlab" ref --model "$WORK/slice4" --prompt-ids 11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26 \
+    -n 48 -o "$WORK/ref.json"
+rm -f "$WORK/heat.bin"
+"$VENV/bin/tierlab" eval --model "$WORK/slice4" --ref "$WORK/ref.json" --cache "${SLICE_CACHE:-8}" --heat "$WORK/heat.bin" > /dev/null
+chmod a-w "$WORK/heat.bin"
+"$VENV/bin/tierlab" ab --model "$WORK/slice4" --ref "$WORK/ref.json" --cache "${SLICE_CACHE:-8}" --repeat 3 --markdown \
+    --row "off" \
+    --row "TIER=1 TIER_GB=${TIER_GB_ROW:-0.05}" \
+    --row "TIER=1 TIER_GB=${TIER_GB_ROW:-0.05} HEAT_FILE=$WORK/heat.bin" \
+    --row "TIER=1 TIER_GB=${TIER_GB_ROW:-0.05} HEAT_FILE=$WORK/heat.bin CACHE_ROUTE=1" \
+    --row "TIER=1 TIER_GB=${TIER_GB_ROW:-0.05} HEAT_FILE=$WORK/heat.bin CACHE_ROUTE=1 ROUTE_J=4"
