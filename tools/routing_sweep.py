@@ -15,6 +15,7 @@ taken (repeat 0). Prints markdown.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def fixture(args) -> None:
 
 def strategy_rows(k: int, n_experts: int) -> list[tuple[str, str]]:
     rows = [("off", "off")]
-    for j in (k // 2, k // 4, 0):
+    for j in sorted({k // 2, k // 4, 0}, reverse=True):
         for m in sorted({2 * k, 3 * k, n_experts}):
             rows.append(("maxrank", f"CACHE_ROUTE=1 ROUTE_J={j} ROUTE_M={m}"))
     for p in (0.5, 0.7, 0.9):
@@ -80,7 +81,8 @@ def strategies(args) -> None:
         plt.vertical_line(100 * base["ram_hit"])
         plt.title("RAM hit % vs TF-NLL cost (nats/token); lines: lever off, Belady bound")
         plt.xlabel("RAM hit %")
-        Path(args.plot).write_text(plt.build() + "\n")
+        ansi = re.compile(r"\x1b\[[0-9;]*m")
+        Path(args.plot).write_text(ansi.sub("", plt.build()) + "\n")
         print(f"\nplot written to {args.plot}", file=sys.stderr)
 
 
