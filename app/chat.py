@@ -31,9 +31,22 @@ class ChatMessage(Static):
         self.role = role
         self.text = text
 
-    def set_text(self, text: str) -> None:
+    def set_text(self, text: str) -> bool:
+        """Show `text`; True when it changed the message's height (and so the screen's layout).
+
+        A streaming reply gets longer a few times a second but needs a new line far less often,
+        and only then is the screen laid out again: a layout costs far more than a repaint.
+        """
         self.text = text
-        self.update(text if text else "…")
+        self.update(text if text else "…", layout=False)
+        width = self.content_size.width
+        if not self.is_mounted or not width:
+            self.refresh(layout=True)
+            return True
+        if self.get_content_height(self.content_size, self.content_size, width) != self.content_size.height:
+            self.refresh(layout=True)
+            return True
+        return False
 
 
 class ChatPane(Vertical):

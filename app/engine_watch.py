@@ -8,7 +8,6 @@ copies them out when it is ready to draw.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 
@@ -152,7 +151,7 @@ class EngineWatch:
     def meter_history(self) -> MeterHistory:
         """A copy of the meter history that the engine thread cannot change under the reader."""
         with self.lock:
-            return copy.deepcopy(self.history)
+            return self.history.copy()
 
     def clear_history(self) -> None:
         """Forget the per-token pictures (the engine's own counters are its business)."""

@@ -18,8 +18,10 @@ from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Header
+from textual.widgets._header import HeaderClockSpace, HeaderIcon, HeaderTitle
 
 from tierlab.app.chat import ChatMessage, ChatPane
 from tierlab.app.engine_watch import EngineWatch, format_knob_value
@@ -32,8 +34,10 @@ from tierlab.widgets.meters import MeterPlot, MetersPanel
 
 VIEW_INTERVAL = 0.2
 """Seconds between redraws of heatmap and meters while tokens arrive (the engine needs the CPU more)."""
-STREAM_INTERVAL = 0.1
+STREAM_INTERVAL = 0.25
 """Seconds between updates of the reply text while it streams (each one waits for the UI)."""
+PLOT_INTERVAL = 1.0
+"""Seconds between redraws of the plot over tokens while a reply streams (plotext is slow); once more at the end."""
 
 
 def one_line(exc: BaseException) -> str:
@@ -51,6 +55,25 @@ def open_engine(model_dir: Path, cache_slots: int | None, tier: bool, heat: Path
     return load_engine(model_dir, cache_slots=cache_slots, tier=options)
 
 
+class SteadyTitle(HeaderTitle):
+    """The header's title line, redrawn in place: it is one line of fixed size, so no layout."""
+
+    def update(self, content="", *, layout: bool = False) -> None:
+        super().update(content, layout=layout)
+
+
+class SteadyHeader(Header):
+    """Textual's header, but a new sub-title (the token count, several times a second) only repaints the title.
+
+    The stock title re-lays out the whole screen on every change.
+    """
+
+    def compose(self) -> ComposeResult:
+        yield HeaderIcon().data_bind(Header.icon)
+        yield SteadyTitle()
+        yield HeaderClockSpace()
+
+
 class TierlabApp(App):
     """Chat, knobs, expert heatmap and meters on one screen."""
 
@@ -58,6 +81,9 @@ class TierlabApp(App):
     CSS_PATH = "tierlab.tcss"
     HORIZONTAL_BREAKPOINTS = [(0, "-tiny"), (100, "-narrow"), (140, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
+
+    sub_title: Reactive[str] = Reactive("", compute=False, repaint=False)
+    """As in `App`, but without repainting the whole screen on each change: only the header shows it."""
 
     BINDINGS = [
         Binding("f1,question_mark", "help", "Help", key_display="F1"),
@@ -108,12 +134,15 @@ class TierlabApp(App):
         self._engine_idle = threading.Event()
         self._engine_idle.set()
         self._drawn_tokens = -1
+        self._pending_text: tuple[ChatMessage, str] | None = None
+        """The streaming reply's latest text, left by the engine thread for the next view tick."""
+        self._plot_drawn_at = -PLOT_INTERVAL
         self._initial_slots = 0
 
     # -- layout --------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield Header()
+        yield SteadyHeader()
         with Horizontal(id="main"):
             yield ChatPane(id="chat")
             with Vertical(id="side"):
@@ -140,7 +169,7 @@ class TierlabApp(App):
         self.query_one(ExpertHeatmap).placeholder = f"loading {self.model_dir.name if self.model_dir else 'the model'}…"
         self.query_one("#max-tokens", Knob).set_value_quietly(self.max_tokens)
         self.query_one("#prompt").focus()
-        self.set_interval(VIEW_INTERVAL, self.refresh_views, name="views")
+        self.set_interval(VIEW_INTERVAL, self._view_tick, name="views")
         self.load_engine()
 
     # -- engine --------------------------------------------------------------
@@ -223,6 +252,13 @@ class TierlabApp(App):
             parts.append("● REC")
         self.sub_title = " · ".join(parts)
 
+    def _view_tick(self) -> None:
+        """Everything that changes while a reply streams is drawn here, so it all lands in one frame."""
+        pending, self._pending_text = self._pending_text, None
+        if pending is not None:
+            self._show_partial(*pending)
+        self.refresh_views()
+
     def refresh_views(self, force: bool = False) -> None:
         """Redraw heatmap and meters if tokens arrived since the last redraw."""
         if self.watch is None:
@@ -231,11 +267,13 @@ class TierlabApp(App):
         if seen == self._drawn_tokens and not force:
             return
         self._drawn_tokens = seen
-        self.query_one(ExpertHeatmap).update_data(self.watch.heatmap_data(), now=force)
+        self.query_one(ExpertHeatmap).update_data(self.watch.heatmap_data(), now=True)  # this tick is the throttle
         history = self.watch.meter_history()
         self.query_one(MetersPanel).show(history)
         plot = self.query_one(MeterPlot)
-        if plot.display:
+        now = time.monotonic()
+        if plot.display and (force or not self.generating or now - self._plot_drawn_at >= PLOT_INTERVAL):
+            self._plot_drawn_at = now
             plot.show(history)
         self._update_subtitle()
         self._show_engine_notices()
@@ -278,7 +316,11 @@ class TierlabApp(App):
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
     def generate_reply(self, prompt: str, reply: ChatMessage, settings: dict, stop: threading.Event) -> None:
-        """Run the engine in this thread; hand text to the UI a few times a second."""
+        """Run the engine in this thread; leave text for the UI a few times a second.
+
+        The text is only left for the next view tick: waiting for the UI (`call_from_thread`)
+        would hold the engine up for as long as the screen takes to draw.
+        """
         engine = self.engine
         tokenizer = engine.tokenizer
         produced: list[int] = []
@@ -294,7 +336,7 @@ class TierlabApp(App):
                 now = time.monotonic()
                 if now - last_shown >= STREAM_INTERVAL:
                     last_shown = now
-                    self._call_ui(self._show_partial, reply, tokenizer.decode(produced, skip_special=True))
+                    self._pending_text = (reply, tokenizer.decode(produced, skip_special=True))
         except TierlabError as exc:
             error = one_line(exc)
         except Exception as exc:  # an engine bug ends this reply, not the app
@@ -310,10 +352,11 @@ class TierlabApp(App):
             pass
 
     def _show_partial(self, reply: ChatMessage, text: str) -> None:
-        reply.set_text(text)
-        self.query_one(ChatPane).follow()
+        if reply.set_text(text):  # a new line: keep it in view
+            self.query_one(ChatPane).follow()
 
     def _finish_reply(self, reply: ChatMessage, text: str, n_tokens: int, stopped: bool, error: str | None) -> None:
+        self._pending_text = None  # older than the final text
         self.generating = False
         self.replies += 1
         reply.remove_class("-streaming")

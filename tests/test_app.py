@@ -145,7 +145,16 @@ async def test_prompt_streams_tokens_into_the_chat(make_app):
         partial: list[str] = []
         show = app._show_partial
         app._show_partial = lambda reply, text: (partial.append(text), show(reply, text))  # type: ignore[method-assign]
+        real_generate = app.engine.generate
+
+        def paced_generate(*args, **kwargs):  # the real engine, slow enough for the screen to show text midway
+            for token in real_generate(*args, **kwargs):
+                time.sleep(0.3)
+                yield token
+
+        app.engine.generate = paced_generate
         reply = await ask(pilot, "hi", max_tokens=4)
+        app.engine.generate = real_generate
         assert reply.role == "assistant"
         chat = app.query_one(ChatPane)
         assert [m["role"] for m in chat.messages] == ["user", "assistant"]

@@ -76,6 +76,16 @@ class MeterHistory:
         """Remember a knob change at `token`."""
         self.marks.append(KnobMark(token, label))
 
+    def copy(self) -> "MeterHistory":
+        """An independent copy (the values are floats, so copying the containers is enough)."""
+        return MeterHistory(
+            limit=self.limit,
+            tokens=deque(self.tokens, maxlen=self.tokens.maxlen),
+            series={key: deque(values, maxlen=values.maxlen) for key, values in self.series.items()},
+            latest=dict(self.latest),
+            marks=list(self.marks),
+        )
+
     def values(self, key: str) -> list[float]:
         return list(self.series.get(key, ()))
 
@@ -111,8 +121,10 @@ class MeterRow(Horizontal):
         text = "    –" if value is None else self.spec.fmt(value)
         if self.spec.key == "swap" and "swaps_to_vram" in latest:
             text = f"{text} {int(latest['swaps_to_vram'])}→V"
-        self.query_one(".meter--value", Static).update(text)
-        self.query_one(Sparkline).data = list(history)
+        shown = self.query_one(".meter--value", Static)
+        if text != str(shown.content):  # the value has a fixed width: repaint it, no layout
+            shown.update(text, layout=False)
+        self.query_one(Sparkline).data = list(history)  # a reactive: repaints only when the values differ
 
 
 class MetersPanel(Vertical):
