@@ -14,6 +14,10 @@ from textual.widgets import Input, Static
 from tierlab.widgets.knob import Knob, KnobSwitch
 
 
+GROW_LINES = 6
+"""Lines a streaming reply grows by when its text needs more room."""
+
+
 class ChatMessage(Static):
     """One turn: the user's prompt, the model's reply (growing while it streams) or a note."""
 
@@ -34,8 +38,10 @@ class ChatMessage(Static):
     def set_text(self, text: str) -> bool:
         """Show `text`; True when it changed the message's height (and so the screen's layout).
 
-        A streaming reply gets longer a few times a second but needs a new line far less often,
-        and only then is the screen laid out again: a layout costs far more than a repaint.
+        A layout costs far more than a repaint (Textual lays the whole screen out, twice when a
+        widget changes size), so a streaming reply repaints in place while its text fits, and
+        when it needs more lines it takes `GROW_LINES` at once: a few blank lines at its end
+        while it streams, instead of a layout for every new line.
         """
         self.text = text
         self.update(text if text else "…", layout=False)
@@ -43,11 +49,19 @@ class ChatMessage(Static):
         if not self.is_mounted or not width:
             self.refresh(layout=True)
             return True
-        if self.get_content_height(self.content_size, self.content_size, width) != self.content_size.height:
-            self.refresh(layout=True)
+        needed = self.get_content_height(self.content_size, self.content_size, width)
+        if not self.has_class("-streaming"):
+            if self.styles.min_height is not None:
+                self.styles.min_height = None  # lays out
+                return True
+            if needed != self.content_size.height:
+                self.refresh(layout=True)
+                return True
+            return False
+        if needed > self.content_size.height:
+            self.styles.min_height = needed + GROW_LINES - 1  # lays out
             return True
         return False
-
 
 class ChatPane(Vertical):
     """Conversation, prompt input and generation settings."""
