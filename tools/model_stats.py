@@ -249,7 +249,9 @@ text and docstrings; it is a test subject for caches and routing, not a useful a
   (~{tr['tokens_seen'] / tr['train_stream_tokens']:.1f} passes over the training split); AdamW (0.9, 0.95), peak lr {tr['lr']},
   warm-up {tr['warmup']}, constant, linear decay to 10% over the last {tr['decay_steps']} steps; weight decay {tr['weight_decay']};
   grad clip 1.0; router load-balancing loss on (`output_router_logits=True`, `router_aux_loss_coef={tr['router_aux_loss_coef']}`).
-- Wall time {wall / 60:.0f} min on a shared 2-vCPU machine.
+- Wall time {wall / 60:.0f} min on a shared 2-vCPU machine (under `nice`). The run was stopped and resumed with
+  `--resume`, with `--steps` changed only while the learning rate was still constant, which by construction
+  (fixed batches per step, schedule independent of `--steps` before the decay) is the run of the command above.
 - Final training loss (EMA) {tr['final_train_loss_ema']:.3f} nats/token; held-out loss at the end of training
   {tr['final_heldout_loss']:.3f} (16 fixed windows).
 
