@@ -25,7 +25,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 #: folder -> (experts per layer, top-k, size budget in bytes)
 MODELS = {
     "tiny-moe": (32, 4, 24_000_000),
-    "tiny-moe-8x2": (8, 2, 6_000_000),
+    "tiny-moe-8x2": (8, 2, 8_000_000),
 }
 TOTAL_BUDGET = 30_000_000
 SLICE_TOKENS = 384
