@@ -37,8 +37,10 @@ VIEW_INTERVAL = 0.25
 """Seconds between redraws of heatmap and meters while tokens arrive (the engine needs the CPU more)."""
 STREAM_INTERVAL = 0.25
 """Seconds between decodes of the reply text while it streams (the view tick shows the latest one)."""
+SIDE_INTERVAL = 0.5
+"""Seconds between redraws of heatmap, meter values and sub-title while a reply streams."""
 PLOT_INTERVAL = 1.0
-"""Seconds between redraws of the plot over tokens while a reply streams (plotext is slow); once more at the end."""
+"""Seconds between redraws of the plot and the sparklines while a reply streams (the costly views); again at the end."""
 
 
 def one_line(exc: BaseException) -> str:
@@ -138,6 +140,7 @@ class TierlabApp(App):
         self._pending_text: tuple[ChatMessage, str] | None = None
         """The streaming reply's latest text, left by the engine thread for the next view tick."""
         self._plot_drawn_at = -PLOT_INTERVAL
+        self._side_drawn_at = -SIDE_INTERVAL
         self._initial_slots = 0
 
     # -- layout --------------------------------------------------------------
@@ -264,20 +267,27 @@ class TierlabApp(App):
         self.refresh_views()
 
     def refresh_views(self, force: bool = False) -> None:
-        """Redraw heatmap and meters if tokens arrived since the last redraw."""
+        """Redraw heatmap and meters if tokens arrived since the last redraw.
+
+        While a reply streams they are redrawn every `SIDE_INTERVAL` (plot and sparklines every
+        `PLOT_INTERVAL`), not at every view tick: each redraw takes CPU from the engine.
+        """
         if self.watch is None:
             return
         seen = self.watch.tokens_seen
-        if seen == self._drawn_tokens and not force:
+        now = time.monotonic()
+        if not force and (seen == self._drawn_tokens or (self.generating and now - self._side_drawn_at < SIDE_INTERVAL)):
             return
         self._drawn_tokens = seen
+        self._side_drawn_at = now
         self.query_one(ExpertHeatmap).update_data(self.watch.heatmap_data(), now=True)  # this tick is the throttle
         history = self.watch.meter_history()
-        self.query_one(MetersPanel).show(history)
-        plot = self.query_one(MeterPlot)
-        now = time.monotonic()
-        if plot.display and (force or not self.generating or now - self._plot_drawn_at >= PLOT_INTERVAL):
+        slow_views = force or not self.generating or now - self._plot_drawn_at >= PLOT_INTERVAL
+        if slow_views:
             self._plot_drawn_at = now
+        self.query_one(MetersPanel).show(history, sparklines=slow_views)
+        plot = self.query_one(MeterPlot)
+        if plot.display and slow_views:
             plot.show(history)
         self._update_subtitle()
         self._show_engine_notices()

@@ -116,7 +116,8 @@ class MeterRow(Horizontal):
         yield Static("    –", classes="meter--value")
         yield Sparkline([], summary_function=max)
 
-    def show(self, latest: Mapping[str, float], history: Iterable[float]) -> None:
+    def show(self, latest: Mapping[str, float], history: Iterable[float] | None) -> None:
+        """Show the latest value, and the sparkline of `history` unless it is None (left as it is)."""
         value = latest.get(self.spec.key)
         text = "    –" if value is None else self.spec.fmt(value)
         if self.spec.key == "swap" and "swaps_to_vram" in latest:
@@ -124,7 +125,8 @@ class MeterRow(Horizontal):
         shown = self.query_one(".meter--value", Static)
         if text != str(shown.content):  # the value has a fixed width: repaint it, no layout
             shown.update(text, layout=False)
-        self.query_one(Sparkline).data = list(history)  # a reactive: repaints only when the values differ
+        if history is not None:
+            self.query_one(Sparkline).data = list(history)  # a reactive: repaints only when the values differ
 
 
 class MetersPanel(Vertical):
@@ -138,10 +140,14 @@ class MetersPanel(Vertical):
         for spec in METERS:
             yield MeterRow(spec)
 
-    def show(self, history: MeterHistory) -> None:
-        """Draw the latest values and the recent past from `history`."""
+    def show(self, history: MeterHistory, *, sparklines: bool = True) -> None:
+        """Draw the latest values and, with `sparklines`, the recent past from `history`.
+
+        Sparklines are the costly part to draw (nine Rich renders), so the app draws them
+        less often than the values while tokens stream.
+        """
         for row in self.query(MeterRow):
-            row.show(history.latest, history.values(row.spec.key))
+            row.show(history.latest, history.values(row.spec.key) if sparklines else None)
 
 
 class MeterPlot(PlotextPlot):
