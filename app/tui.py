@@ -326,7 +326,11 @@ class TierlabApp(App):
         self._stop_event = threading.Event()
         self._engine_idle.clear()
         self._update_subtitle()
-        self.generate_reply(prompt, reply, chat.settings(), self._stop_event)
+        # The side panes are current: their first redraw can wait, as when the reply is under way.
+        self._side_drawn_at = self._plot_drawn_at = time.monotonic()
+        # The engine starts once the new turn is on screen: laying it out takes the UI tens of
+        # milliseconds, which would otherwise be taken from the reply's first tokens.
+        self.call_after_refresh(self.generate_reply, prompt, reply, chat.settings(), self._stop_event)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
     def generate_reply(self, prompt: str, reply: ChatMessage, settings: dict, stop: threading.Event) -> None:
