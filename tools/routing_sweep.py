@@ -2,6 +2,7 @@
 
     python tools/routing_sweep.py fixture [--model assets/tiny-moe-8x2] [--cache 4]
     python tools/routing_sweep.py strategies [--model assets/tiny-moe] [--cache N] [--plot FILE]
+    python tools/routing_sweep.py tier [--model assets/tiny-moe] [--tier-gb G]
 
 Both run `tierlab.engine.ab.run_ab` on a reference made from the model's
 held-out text (prompt = its first 32 tokens, continuation = the next N), and
@@ -75,15 +76,47 @@ def strategies(args) -> None:
         plt.theme("clear")
         markers = {"maxrank": "x", "cumprob": "o", "prior": "+"}
         for name in ("maxrank", "cumprob", "prior"):
-            pts = [(100 * r["ram_hit"], r["tf_nll"] - base["tf_nll"]) for (n, _), r in zip(labelled, rows) if n == name]
+            pts = [(100 * r["ram_hit"], r["tf_nll"] - base["tf_nll"]) for (n, _), r in zip(labelled, rows)
+                   if n == name and r["tf_nll"] - base["tf_nll"] <= args.max_cost]
             plt.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[name], label=name)
         plt.vertical_line(100 * base["oracle_hit"])
         plt.vertical_line(100 * base["ram_hit"])
-        plt.title("RAM hit % vs TF-NLL cost (nats/token); lines: lever off, Belady bound")
+        plt.title(f"RAM hit % vs TF-NLL cost (nats/token, rows up to {args.max_cost:g}); "
+                  "lines: lever off, its Belady bound")
         plt.xlabel("RAM hit %")
         ansi = re.compile(r"\x1b\[[0-9;]*m")
         Path(args.plot).write_text(ansi.sub("", plt.build()) + "\n")
         print(f"\nplot written to {args.plot}", file=sys.stderr)
+
+
+def tier(args) -> None:
+    """The seed's GPU-tier finding in shape: index-order vs heat-planned warmstart, then the lever."""
+    import tempfile
+
+    from tierlab.engine.config import load_config
+    from tierlab.engine.evaluate import teacher_forced_nll
+    from tierlab.engine.model import load_engine
+    from tierlab.engine.tiering import TierOptions
+
+    cfg = load_config(args.model)
+    prompt, full = heldout_reference(args.model, 32, args.tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        heat = Path(tmp) / "heat.bin"
+        # the profile of one lever-off run on the same text, then read-only (the seed's best case)
+        engine = load_engine(args.model, cache_slots=cfg.n_experts, with_tokenizer=False,
+                             tier=TierOptions(heat_file=str(heat)))
+        teacher_forced_nll(engine, prompt, full)
+        engine.close()
+        heat.chmod(0o444)
+        budget = f"TIER=1 TIER_GB={args.tier_gb}"
+        rows = ["off", budget, f"{budget} HEAT_FILE={heat}", f"{budget} HEAT_FILE={heat} CACHE_ROUTE=1",
+                f"{budget} HEAT_FILE={heat} CACHE_ROUTE=1 ROUTE_MODE=prior ROUTE_J=1 ROUTE_LAMBDA=0.1"]
+        results = run_ab(args.model, prompt, full, rows, repeat=0, default_engine={"CACHE": str(args.cache)},
+                         progress=lambda s: print(s, file=sys.stderr))
+        table = [r.as_row("teacher_forced") for r in results]
+        for row in table:
+            row["row"] = row["row"].replace(str(heat), "heat.bin")
+    print(render_markdown(table))
 
 
 def main() -> None:
@@ -99,7 +132,14 @@ def main() -> None:
     s.add_argument("--cache", type=int, default=None)
     s.add_argument("--tokens", type=int, default=256)
     s.add_argument("--plot", default=None)
+    s.add_argument("--max-cost", type=float, default=0.05, help="leave costlier rows out of the plot")
     s.set_defaults(fn=strategies)
+    t = sub.add_parser("tier")
+    t.add_argument("--model", type=Path, default=tierlab.ASSETS_DIR / "tiny-moe")
+    t.add_argument("--cache", type=int, default=32, help="RAM slots per layer (default: all, so only the tier moves)")
+    t.add_argument("--tier-gb", default="0.003", help="tier budget in GiB (default: about a quarter of the experts)")
+    t.add_argument("--tokens", type=int, default=1024)
+    t.set_defaults(fn=tier)
     args = parser.parse_args()
     args.fn(args)
 
