@@ -47,6 +47,23 @@ def knob_layout(width: int, value_width: int, default_width: int) -> BarLayout:
     return BarLayout(NAME_WIDTH, max(1, width - NAME_WIDTH - tail), value_width, show_default)
 
 
+class KnobChanged(Message):
+    """A knob-like widget took a new value; each widget's `Changed` subclasses this."""
+
+    def __init__(self, knob, value) -> None:
+        super().__init__()
+        self.knob = knob
+        self.value = value
+
+    @property
+    def control(self):
+        return self.knob
+
+    @property
+    def knob_name(self) -> str:
+        return self.knob.knob_name
+
+
 class Knob(Widget, can_focus=True):
     """A numeric knob between `low` and `high`, stepped by keys or set by mouse."""
 
@@ -78,21 +95,8 @@ class Knob(Widget, can_focus=True):
 
     value: reactive[float] = reactive(0.0, layout=False)
 
-    class Changed(Message):
+    class Changed(KnobChanged):
         """The knob moved to a new value."""
-
-        def __init__(self, knob: "Knob", value: int | float) -> None:
-            super().__init__()
-            self.knob = knob
-            self.value = value
-
-        @property
-        def control(self) -> "Knob":
-            return self.knob
-
-        @property
-        def knob_name(self) -> str:
-            return self.knob.knob_name
 
     def __init__(
         self,
@@ -283,21 +287,8 @@ class KnobSwitch(Horizontal):
     KnobSwitch > .knob-switch--state { width: 1fr; padding-left: 1; color: $text-muted; }
     """
 
-    class Changed(Message):
+    class Changed(KnobChanged):
         """The switch flipped."""
-
-        def __init__(self, knob: "KnobSwitch", value: bool) -> None:
-            super().__init__()
-            self.knob = knob
-            self.value = value
-
-        @property
-        def control(self) -> "KnobSwitch":
-            return self.knob
-
-        @property
-        def knob_name(self) -> str:
-            return self.knob.knob_name
 
     def __init__(
         self,
@@ -358,21 +349,8 @@ class KnobSelect(Horizontal):
     KnobSelect > Select { width: 1fr; }
     """
 
-    class Changed(Message):
+    class Changed(KnobChanged):
         """Another choice was picked."""
-
-        def __init__(self, knob: "KnobSelect", value: str) -> None:
-            super().__init__()
-            self.knob = knob
-            self.value = value
-
-        @property
-        def control(self) -> "KnobSelect":
-            return self.knob
-
-        @property
-        def knob_name(self) -> str:
-            return self.knob.knob_name
 
     def __init__(
         self, knob_name: str, choices: Sequence[str], value: str, *, default: str | None = None, help: str = "", id: str | None = None
