@@ -358,9 +358,10 @@ async def test_heat_inspector_loads_compares_and_rejects(make_app, tmp_path):
         screen.query_one("#heat-path-b", Input).value = ""
         # a malformed file: a notification, the loaded profile stays
         screen.query_one("#heat-path-a", Input).value = str(bad)
-        await pilot.click("#heat-load")
-        await pilot.pause()
-        assert any("not a heat profile" in text and severity == "error" for text, severity in app.notes)
+        screen.query_one("#heat-path-a", Input).focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any("not a heat profile" in text and severity == "error"
+                                          for text, severity in app.notes), timeout=10)
         assert pane.profile.counts.sum() == counts.sum()
         # save this session's heat from the screen
         target = tmp_path / "session.heat"
