@@ -17,6 +17,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder (config.json + safetensors)")
     p.add_argument("--out", required=True, help="container folder to write")
     p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="bits per expert weight (default 4)")
+    p.add_argument("--dense-bits", type=int, choices=(4, 8), default=None,
+                   help="also quantise the dense projections (attention, DeltaNet, shared expert, lm_head) "
+                        "to this many bits; the router, embedding and norms stay as they are (default: keep them)")
     p.add_argument("--group", type=int, default=64, help="quantisation group size (only 64 is supported)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     p.set_defaults(run=run)
@@ -46,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from tierlab.engine.container import convert
 
     info = convert(Path(args.model), Path(args.out), bits=args.bits, group=args.group, force=args.force,
-                   progress=TextProgressBar())
+                   progress=TextProgressBar(), dense_bits=args.dense_bits or 0)
     total = info.n_layers * info.n_experts * info.blob_stride
+    dense = f"dense projections int{info.dense_bits}" if info.dense_bits else "dense tensors as in the source"
     print(f"wrote {args.out}: {info.n_layers} layers x {info.n_experts} experts, int{info.bits}, "
-          f"{info.blob_nbytes / 2**20:.2f} MiB per expert, {total / 2**30:.2f} GiB of experts")
+          f"{info.blob_nbytes / 2**20:.2f} MiB per expert, {total / 2**30:.2f} GiB of experts; {dense}")
     return 0

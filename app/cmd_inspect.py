@@ -43,6 +43,8 @@ def container_summary(folder: Path) -> list[tuple[str, str]]:
         ("total expert bytes", f"{info.n_layers * info.n_experts * info.blob_nbytes:,} ({_mib(info.n_layers * info.n_experts * info.blob_nbytes)})"
          + (f"; {EXPERTS_BIN} {_mib(experts_file.stat().st_size)}" if experts_file.exists() else f"; {EXPERTS_BIN} missing")),
         ("dense bytes", f"{dense.stat().st_size:,} ({_mib(dense.stat().st_size)})" if dense.exists() else f"{DENSE_FILE} missing"),
+        ("dense dtype", f"projections int{info.dense_bits}, group {info.group}; router, embedding, norms as in the source"
+         if info.dense_bits else "as in the source (bf16/fp16)"),
         ("source", info.source or "?"),
         ("prefix", info.prefix or "?"),
     ]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierlab.engine.model import TIMER_NAMES, Engine
+from tierlab.engine.qlinear import QuantMatrix, RowStack
 
 
 def weight_bytes_per_token(engine: Engine) -> dict:
@@ -27,11 +28,14 @@ def weight_bytes_per_token(engine: Engine) -> dict:
     dense = 0
     for layer in engine.layers:
         for value in vars(layer.mixer).values():
-            if isinstance(value, np.ndarray) and value.ndim == 2:
+            if isinstance(value, (QuantMatrix, RowStack)) or (isinstance(value, np.ndarray) and value.ndim == 2):
                 dense += value.nbytes
         mlp = layer.mlp
-        for value in vars(mlp).values():
-            if isinstance(value, np.ndarray) and value.ndim == 2 and value.base is None:
+        for name, value in vars(mlp).items():
+            if name == "router_w":  # part of w_in
+                continue
+            if isinstance(value, (QuantMatrix, RowStack)) or (
+                    isinstance(value, np.ndarray) and value.ndim == 2 and value.base is None):
                 dense += value.nbytes
         if hasattr(mlp, "mlp"):  # dense MLP layer
             dense += sum(getattr(mlp.mlp, n).nbytes for n in ("gate", "up", "down"))

@@ -16,7 +16,12 @@ import numpy as np
 
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.errors import ModelError
+from tierlab.engine.qlinear import QuantMatrix, RowStack, check_quant_parts, fuse_quant
 from tierlab.engine.safetensors_file import TensorInfo, read_header, read_tensor
+
+
+#: suffixes of a quantised dense matrix in a container's dense.safetensors
+QWEIGHT, QSCALES = ".qweight", ".qscales"
 
 
 class Checkpoint:
@@ -78,14 +83,18 @@ class Checkpoint:
 
     def has(self, name: str) -> bool:
         full = name if name.startswith("lm_head.") else self.prefix + name
-        return full in self.tensors
+        return full in self.tensors or full + QWEIGHT in self.tensors
 
     def _where(self, full: str) -> Path:
         files = sorted({i.path for i in self.tensors.values()})
         return files[0] if len(files) == 1 else self.dir
 
-    def load(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """A dense weight, kept in memory: fp32 and bf16 (as uint16) as stored, fp16 widened to fp32."""
+    def load(self, name: str, shape: tuple[int, ...] | None = None):
+        """A dense weight, kept in memory: fp32 and bf16 (as uint16) as stored, fp16 widened to fp32,
+        and a QuantMatrix where a container stores the matrix quantised (`--dense-bits`)."""
+        full = name if name.startswith("lm_head.") else self.prefix + name
+        if full not in self.tensors and full + QWEIGHT in self.tensors:
+            return self._load_quant(name, full, shape)
         info = self.info(name, shape)
         arr = read_tensor(info)
         if info.dtype == "F16" or info.dtype == "F64":
@@ -97,7 +106,22 @@ class Checkpoint:
     def load_f32(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A small weight (norms, biases, gates) widened to float32."""
         arr = self.load(name, shape)
-        return to_f32(arr)
+        return arr.dequantize() if isinstance(arr, QuantMatrix) else to_f32(arr)
+
+    def _load_quant(self, name: str, full: str, shape: tuple[int, ...] | None) -> QuantMatrix:
+        """`<name>.qweight` (I8 / U8) + `<name>.qscales` (F32): see docs/formats.md."""
+        qinfo = self.tensors[full + QWEIGHT]
+        sinfo = self.tensors.get(full + QSCALES)
+        if sinfo is None:
+            raise ModelError(f"tensor {full}{QWEIGHT} has no {full}{QSCALES}", qinfo.path)
+        if qinfo.dtype not in ("I8", "U8") or sinfo.dtype != "F32":
+            raise ModelError(f"quantised tensor {full}: qweight must be I8/U8 and qscales F32, "
+                             f"got {qinfo.dtype} and {sinfo.dtype}", qinfo.path)
+        q, scales = read_tensor(qinfo), read_tensor(sinfo)
+        problem = check_quant_parts(q, scales, shape)
+        if problem:
+            raise ModelError(f"quantised tensor {full} {problem}", qinfo.path)
+        return QuantMatrix(q, scales, 8 if qinfo.dtype == "I8" else 4)
 
 
 def to_f32(arr: np.ndarray) -> np.ndarray:
@@ -107,8 +131,29 @@ def to_f32(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
-def fuse_rows(mats: list[np.ndarray]) -> np.ndarray:
-    """Stack weight matrices that multiply the same input, keeping bf16 as bf16 when all are."""
+def fuse_rows(mats: list):
+    """Stack weight matrices that multiply the same input, keeping bf16 as bf16 when all are.
+
+    Quantised matrices of one kind fuse into one QuantMatrix; a mix of
+    quantised and plain matrices (the bf16 router beside the quantised shared
+    expert) becomes a RowStack of runs of one kind each.
+    """
+    def kind(m) -> str:
+        return m.kind if isinstance(m, QuantMatrix) else "plain"
+
+    runs: list[list] = []
+    for m in mats:
+        if runs and kind(runs[-1][-1]) == kind(m):
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    fused = [fuse_quant(run) if isinstance(run[0], QuantMatrix) else _fuse_plain(run) for run in runs]
+    return fused[0] if len(fused) == 1 else RowStack(fused)
+
+
+def _fuse_plain(mats: list[np.ndarray]) -> np.ndarray:
+    if len(mats) == 1:
+        return np.ascontiguousarray(mats[0])
     if len({m.dtype for m in mats}) != 1:
         mats = [to_f32(m) for m in mats]
     return np.ascontiguousarray(np.concatenate(mats, axis=0))

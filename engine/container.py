@@ -7,7 +7,8 @@ expert is one `pread` into a RAM slot and one fused kernel call, at a quarter
 OpenCL tier reads the same blobs.
 
 Folder contents: config.json and tokenizer files (copied), dense.safetensors
-(every non-expert tensor, bf16/fp16 as in the source, fp32 -> bf16),
+(every non-expert tensor, bf16/fp16 as in the source, fp32 -> bf16; with
+`dense_bits` the dense projections int8/int4 as qweight + qscales),
 experts.bin and tierlab_container.json.
 """
 
@@ -62,6 +63,7 @@ class ContainerInfo:
     layer_offsets: list[int]
     source: str
     prefix: str
+    dense_bits: int = 0  # 0: dense tensors as in the source; 8 / 4: projections quantised
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -124,9 +126,15 @@ def read_container_info(folder: str | Path) -> ContainerInfo:
     for i, off in enumerate(offsets):
         if off % BLOB_ALIGN or (i and off < offsets[i - 1] + n_experts * stride):
             raise ModelError(f"layer_offsets[{i}] = {off} is misaligned or overlaps the previous layer", path)
+    try:
+        dense_bits = int(raw.get("dense_bits", 0))
+    except (TypeError, ValueError):
+        dense_bits = -1
+    if dense_bits not in (0, 4, 8):
+        raise ModelError(f"dense_bits must be 0, 4 or 8, got {raw.get('dense_bits')!r}", path)
     return ContainerInfo(
         bits, group, n_layers, n_experts, hidden, inter, blob_nbytes, stride, offsets,
-        str(raw.get("source", "")), str(raw.get("prefix", "")),
+        str(raw.get("source", "")), str(raw.get("prefix", "")), dense_bits,
     )
 
 
@@ -349,46 +357,96 @@ class ExpertReader:
 _ST_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def _dense_plan(ckpt: Checkpoint) -> list[tuple[str, str, list[int]]]:
-    """(name, output dtype, shape) of every dense tensor, in name order."""
+# The dense projections `--dense-bits` quantises: every matrix a token multiplies
+# whole. The router (mlp.gate), the shared expert's one-row gate, the embedding
+# and the norms stay as they are (small, or read one row at a time).
+_QUANT_DENSE_RE = re.compile(
+    r"(^|\.)(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj"
+    r"|gate_proj|up_proj|down_proj)\.weight$|^lm_head\.weight$"
+)
+_QUANT_SOURCE_DTYPES = ("BF16", "F16", "F32")
+
+
+@dataclass(frozen=True)
+class DenseEntry:
+    """One tensor of dense.safetensors: a copy of `source`, or its qweight / qscales part."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    source: str
+    part: str = "copy"  # "copy" | "qweight" | "qscales"
+
+
+def quantises(name: str, dtype: str, shape: list[int], dense_bits: int) -> bool:
+    """Whether `convert --dense-bits` stores this dense tensor quantised."""
+    return (bool(dense_bits) and _QUANT_DENSE_RE.search(name) is not None and dtype in _QUANT_SOURCE_DTYPES
+            and len(shape) == 2 and shape[1] % GROUP == 0 and shape[0] > 0)
+
+
+def _dense_plan(ckpt: Checkpoint, dense_bits: int = 0) -> list[DenseEntry]:
+    """Every tensor of dense.safetensors, in source name order."""
     plan = []
     for name in sorted(ckpt.names()):
         if is_ignored(name) or _EXPERT_RE.match(name):
             continue
         dtype, shape = ckpt.dtype_shape(name)
-        plan.append((name, "BF16" if dtype == "F32" else dtype, shape))
+        if quantises(name, dtype, shape, dense_bits):
+            rows, cols = shape
+            plan.append(DenseEntry(name + ".qweight", "I8" if dense_bits == 8 else "U8",
+                                   [rows, cols if dense_bits == 8 else cols // 2], name, "qweight"))
+            plan.append(DenseEntry(name + ".qscales", "F32", [rows, cols // GROUP], name, "qscales"))
+        else:
+            plan.append(DenseEntry(name, "BF16" if dtype == "F32" else dtype, shape, name))
     return plan
 
 
-def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | None = None) -> int:
+def _entry_array(ckpt: Checkpoint, entry: DenseEntry, dense_bits: int, memo: dict) -> np.ndarray:
+    """The bytes of one plan entry; a quantised matrix is computed once for its two parts."""
+    import ml_dtypes
+
+    if entry.part == "copy":
+        t = ckpt.tensor(entry.source)
+        if t.dtype == np.float32 and entry.dtype == "BF16":
+            t = t.astype(ml_dtypes.bfloat16)
+        return t
+    if memo.get("source") != entry.source:
+        from tierlab.engine.qlinear import quantize_matrix
+
+        memo["source"], memo["matrix"] = entry.source, quantize_matrix(ckpt.tensor(entry.source), dense_bits)
+    m = memo["matrix"]
+    return m.q if entry.part == "qweight" else m.scales
+
+
+def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | None = None,
+                dense_bits: int = 0) -> int:
     """Stream every non-expert tensor into one safetensors file; returns its data bytes.
 
     Written by hand (header, then tensors one at a time) so that peak memory is
-    one tensor, not the whole embedding + lm_head.
+    one tensor, not the whole embedding + lm_head. With dense_bits 8 or 4 the
+    projections `quantises()` names are stored as `<name>.qweight` (I8, or U8
+    planar nibbles) and `<name>.qscales` (F32), as in docs/formats.md.
     """
-    import ml_dtypes
-
-    plan = _dense_plan(ckpt)
+    plan = _dense_plan(ckpt, dense_bits)
     header, offset = {}, 0
-    for name, dtype, shape in plan:
+    for e in plan:
+        name, dtype, shape = e.name, e.dtype, e.shape
         if dtype not in _ST_DTYPES:
             raise ModelError(f"tensor {name} has unsupported dtype {dtype}", ckpt.dir)
         n = int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES[dtype]
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
-    header["__metadata__"] = {"format": "pt", "writer": "tierlab convert"}
+    header["__metadata__"] = {"format": "pt", "writer": "tierlab convert", "dense_bits": str(dense_bits)}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    memo: dict = {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, dtype, _ in plan:
-            t = ckpt.tensor(name)
-            if t.dtype == np.float32 and dtype == "BF16":
-                t = t.astype(ml_dtypes.bfloat16)
-            f.write(np.ascontiguousarray(t).tobytes())
+        for e in plan:
+            f.write(np.ascontiguousarray(_entry_array(ckpt, e, dense_bits, memo)).tobytes())
             if progress:
-                progress(name)
+                progress(e.name)
     return offset
 
 
@@ -409,6 +467,7 @@ def convert(
     group: int = GROUP,
     force: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
+    dense_bits: int = 0,
 ) -> ContainerInfo:
     """Convert a Hugging Face MoE checkpoint into a quantised container, layer by layer.
 
@@ -419,6 +478,8 @@ def convert(
     model_dir, out = Path(model_dir), Path(out_dir)
     if bits not in (4, 8):
         raise ModelError(f"--bits must be 4 or 8, got {bits}")
+    if dense_bits not in (0, 4, 8):
+        raise ModelError(f"--dense-bits must be 4 or 8 (or unset), got {dense_bits}")
     if group != GROUP:
         raise ModelError(f"--group must be {GROUP} (the only group size the kernels support), got {group}")
     dims = read_moe_dims(model_dir)
@@ -435,7 +496,7 @@ def convert(
     offsets = [layer * layer_bytes for layer in range(dims.n_layers)]
     info = ContainerInfo(
         bits, group, dims.n_layers, dims.n_experts, dims.hidden, dims.inter, layout.nbytes, layout.stride,
-        offsets, str(model_dir.resolve()), prefix,
+        offsets, str(model_dir.resolve()), prefix, dense_bits,
     )
 
     tmp = out.with_name(out.name + ".partial")
@@ -452,7 +513,7 @@ def convert(
                     f.write(pad.tobytes())
                 if progress:
                     progress(layer + 1, total, f"layer {layer + 1}/{dims.n_layers}")
-        write_dense(ckpt, tmp / DENSE_FILE)
+        write_dense(ckpt, tmp / DENSE_FILE, dense_bits=dense_bits)
         for name in COPIED_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)

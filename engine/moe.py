@@ -72,7 +72,11 @@ class MoEBlock:
                      ckpt.load(p + "shared_expert_gate.weight", (1, H))]
             self.shared_down = ckpt.load(p + "shared_expert.down_proj.weight", (H, S))
         self.w_in = fuse_rows(rows)
-        self.router_w = self.w_in[:E]  # a view: PILOT runs the router alone
+        # PILOT runs the router alone: a view of the fused matrix, or the router's own
+        # block where the shared expert is quantised and the router is not
+        self.router_w = self.w_in[:E] if isinstance(self.w_in, np.ndarray) else self.w_in.first_rows(E)
+        if self.router_w is None:  # a quantised router fused with its neighbours
+            self.router_w = rows[0]
 
     # -- routing ---------------------------------------------------------------
     def route(self, logits: np.ndarray, ctx) -> TokenRoute:

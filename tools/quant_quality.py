@@ -2,9 +2,10 @@
 
     python tools/quant_quality.py MODEL_DIR [MODEL_DIR ...] [--tokens 512]
 
-For each model: convert its experts to int8 and int4 containers (dense
-weights stay as they are), then teacher-force the same text through all three
-and print the TF-NLL and its relative change. The text is the model's
+For each model: convert it to int8 and int4 containers, experts only (dense
+weights stay as they are) and with `--dense-bits` at the same bits (the
+dense projections quantised too), then teacher-force the same text through
+all five and print the TF-NLL and its relative change. The text is the model's
 `heldout.txt` when it has one, else random token ids (for synthetic slices).
 """
 
@@ -38,8 +39,10 @@ def main() -> None:
     parser.add_argument("models", nargs="+", type=Path)
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
-    print("| model | text | tokens | source experts | TF-NLL | int8 | int8 change | int4 | int4 change |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    variants = ((8, 0), (4, 0), (8, 8), (4, 4))
+    names = ["int8", "int4", "int8 + dense int8", "int4 + dense int4"]
+    print("| model | text | tokens | source | TF-NLL | " + " | ".join(f"{n} | change" for n in names) + " |")
+    print("|---|---|---|---|---:|" + "---:|---:|" * len(variants))
     for model in args.models:
         prompt, full, text = reference(model, args.tokens)
         base_engine = load_engine(model, with_tokenizer=False)
@@ -47,9 +50,9 @@ def main() -> None:
         base, n = teacher_forced_nll(base_engine, prompt, full)
         cells = []
         with tempfile.TemporaryDirectory() as tmp:
-            for bits in (8, 4):
-                out = Path(tmp) / f"int{bits}"
-                convert(model, out, bits=bits)
+            for bits, dense_bits in variants:
+                out = Path(tmp) / f"int{bits}-dense{dense_bits}"
+                convert(model, out, bits=bits, dense_bits=dense_bits)
                 nll, _ = teacher_forced_nll(load_engine(out, with_tokenizer=False), prompt, full)
                 cells += [f"{nll:.4f}", f"{100 * (nll - base) / base:+.2f}%"]
         print(f"| {model.name} | {text} | {n} | {kind} | {base:.4f} | " + " | ".join(cells) + " |")

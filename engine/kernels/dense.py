@@ -1,8 +1,9 @@
 """Numba kernels for the dense part of a decoder layer.
 
 All kernels release the GIL (`nogil`) so the terminal app stays live while
-the engine works, and are cached on disk. Weights are float32 or bf16 kept
-as uint16; the matrix-vector products are the bandwidth-tuned ones of
+the engine works, and are cached on disk. Weights are float32, bf16 kept
+as uint16, or int8/int4 (`engine.qlinear.QuantMatrix`, from `convert
+--dense-bits`); the matrix-vector products are the bandwidth-tuned ones of
 `qmatvec`, shared with the experts. Accumulation is in float32, which matches transformers' float32
 path to well under 1e-4 relative.
 """
@@ -15,9 +16,16 @@ import numpy as np
 from numba import njit, prange
 
 from tierlab.engine.kernels.qmatvec import matvec_bf16, matvec_fp32
+from tierlab.engine.qlinear import QuantMatrix, RowStack, qlinear
 
-def matvec(w: np.ndarray, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def matvec(w, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Dispatch on the storage dtype; x is float32[cols]."""
+    if not isinstance(w, np.ndarray):
+        y = linear(w, x)
+        if out is None:
+            return y
+        out[:] = y
+        return out
     if out is None:
         out = np.empty(w.shape[0], dtype=np.float32)
     if w.dtype == np.uint16:
@@ -54,8 +62,12 @@ def widen(w: np.ndarray) -> np.ndarray:
     return w
 
 
-def linear(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+def linear(w, x: np.ndarray) -> np.ndarray:
     """y = x @ w.T for one token (matvec kernel) or several (BLAS matmul)."""
+    if isinstance(w, QuantMatrix):
+        return qlinear(w, x)
+    if isinstance(w, RowStack):
+        return np.concatenate([linear(p, x) for p in w.parts], axis=-1)
     if x.ndim == 1:
         return matvec(w, x)
     if x.shape[0] == 1:

@@ -1,0 +1,154 @@
+"""Quantised dense matrices: int8 / int4 projections outside the experts.
+
+Why: quantising only the experts leaves most of a token's bytes in bf16. On
+Qwen3.6-35B-A3B at int4 the attention, DeltaNet, shared-expert and lm_head
+projections are 540 of the 664 MiB one token reads. `tierlab convert
+--dense-bits 8|4` stores them in the experts' format (symmetric, groups of
+64 along a row, float32 scale per group; int4 as planar nibbles), and the
+engine multiplies them with the expert kernels. The router, the embedding
+and every norm stay as they were: they are small, and the router's choice
+is what cache-aware routing studies.
+
+A `QuantMatrix` stands where a weight array stood; `linear()` in
+kernels/dense.py dispatches on it. One token uses the int8/int4 matvec (reads
+the packed bytes once); a prompt dequantises a block of rows at a time and
+multiplies it with BLAS, so the weights are still read once per prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from tierlab.engine.kernels import qmatvec
+from tierlab.engine.quant import GROUP, pack_weights, quantize_fast
+
+#: rows dequantised at once for a multi-token product (bounded scratch memory)
+ROW_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A [rows, cols] weight matrix stored as int8 or planar-nibble int4 with group scales."""
+
+    q: np.ndarray  # int8 [rows, cols] (8 bits) or uint8 [rows, cols / 2] (4 bits)
+    scales: np.ndarray  # float32 [rows, cols / 64]
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.scales.shape[1] * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes
+
+    @property
+    def kind(self) -> str:
+        return f"int{self.bits}"
+
+    def rows(self, start: int, stop: int) -> "QuantMatrix":
+        """Rows start..stop-1 as views (no copy)."""
+        return QuantMatrix(self.q[start:stop], self.scales[start:stop], self.bits)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 matrix the kernels multiply with (q * scale, exactly)."""
+        out = np.empty(self.shape, dtype=np.float32)
+        _DEQUANT[self.bits](self.q, self.scales, out)
+        return out
+
+
+def quantize_matrix(w: np.ndarray, bits: int) -> QuantMatrix:
+    """Quantise a float matrix (float32 / bf16-as-float32) the way `convert` does."""
+    q, s = quantize_fast(w, bits)
+    packed = pack_weights(q, bits).reshape(q.shape[0], -1)
+    return QuantMatrix(np.ascontiguousarray(packed if bits == 4 else packed.view(np.int8)), s, bits)
+
+
+def check_quant_parts(q: np.ndarray, scales: np.ndarray, shape: tuple[int, int] | None) -> str | None:
+    """Why a (q, scales) pair is not a valid quantised matrix (of `shape`), or None."""
+    if q.ndim != 2 or scales.ndim != 2 or scales.dtype != np.float32:
+        return "needs a 2-D qweight and a 2-D float32 qscales"
+    if q.dtype not in (np.int8, np.uint8):
+        return f"qweight must be I8 (int8) or U8 (int4), got {q.dtype}"
+    rows, cols = q.shape[0], scales.shape[1] * GROUP
+    per_row = cols if q.dtype == np.int8 else cols // 2
+    if scales.shape[0] != rows or q.shape[1] != per_row:
+        return f"qweight {list(q.shape)} and qscales {list(scales.shape)} do not describe one matrix"
+    if shape is not None and (rows, cols) != tuple(shape):
+        return f"is {rows}x{cols} but config.json implies {shape[0]}x{shape[1]}"
+    if not np.all(np.isfinite(scales)):
+        return "qscales holds NaN or infinity"
+    return None
+
+
+def qlinear(m: QuantMatrix, x: np.ndarray) -> np.ndarray:
+    """x @ dequant(m).T for one token x [cols] or several x [T, cols]."""
+    if x.ndim == 1 or x.shape[0] == 1:
+        out = np.empty(m.shape[0], dtype=np.float32)
+        matvec = qmatvec.matvec_int8 if m.bits == 8 else qmatvec.matvec_int4
+        matvec(m.q, m.scales, np.ascontiguousarray(x.reshape(-1), dtype=np.float32), out)
+        return out if x.ndim == 1 else out[None, :]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows = m.shape[0]
+    out = np.empty((x.shape[0], rows), dtype=np.float32)
+    for start in range(0, rows, ROW_BLOCK):
+        stop = min(rows, start + ROW_BLOCK)
+        out[:, start:stop] = x @ m.rows(start, stop).dequantize().T
+    return out
+
+
+def fuse_quant(mats: list[QuantMatrix]) -> QuantMatrix:
+    """Stack quantised matrices of one kind that multiply the same input (one kernel pass)."""
+    return QuantMatrix(np.ascontiguousarray(np.concatenate([m.q for m in mats])),
+                       np.ascontiguousarray(np.concatenate([m.scales for m in mats])), mats[0].bits)
+
+
+class RowStack:
+    """Row blocks of different storage kinds that multiply the same input.
+
+    Why: the MoE block fuses the router (kept in bf16) with the shared expert's
+    projections (quantised with --dense-bits); the output is the blocks'
+    outputs side by side, as if they were one matrix.
+    """
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def first_rows(self, n: int):
+        """The first n rows, when they are exactly the first part (the router)."""
+        return self.parts[0] if self.parts[0].shape[0] == n else None
+
+
+# --- dequantisation kernels -------------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _dequant_int8(q, s, out):
+    for r in prange(q.shape[0]):
+        for g in range(s.shape[1]):
+            scale = s[r, g]
+            for j in range(GROUP):
+                out[r, g * GROUP + j] = np.float32(q[r, g * GROUP + j]) * scale
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _dequant_int4(q, s, out):
+    half = GROUP // 2
+    for r in prange(q.shape[0]):
+        for g in range(s.shape[1]):
+            scale = s[r, g]
+            for j in range(half):
+                b = q[r, g * half + j]
+                out[r, g * GROUP + j] = np.float32(np.int32(b & 15) - 8) * scale
+                out[r, g * GROUP + half + j] = np.float32(np.int32(b >> 4) - 8) * scale
+
+
+_DEQUANT = {8: _dequant_int8, 4: _dequant_int4}
