@@ -310,13 +310,16 @@ def prepare(a) -> dict:
         subprocess.run([a.tierlab, "make-synthetic", "--arch", "qwen3_5_moe", "--layers", str(a.layers),
                         "--experts", str(a.experts), "--out", str(bf16)], check=True)
     paths = {"bf16": bf16}
-    for bits in (8, 4):
-        out = work / f"int{bits}"
+    for bits, dense_bits in ((8, 0), (4, 0), (8, 8), (4, 4)):
+        # int8 / int4: experts only (dense bf16, as the "experts" GGUFs); int8-d8 / int4-d4:
+        # the dense projections quantised too (as llama.cpp's all-quantised files)
+        name = f"int{bits}" + (f"-d{dense_bits}" if dense_bits else "")
+        out = work / name
         if not (out / "tierlab_container.json").is_file():
-            log(f"tierlab convert --bits {bits}")
-            subprocess.run([a.tierlab, "convert", "--model", str(bf16), "--out", str(out), "--bits", str(bits)],
-                           check=True)
-        paths[f"int{bits}"] = out
+            log(f"tierlab convert --bits {bits} --dense-bits {dense_bits or '-'}")
+            subprocess.run([a.tierlab, "convert", "--model", str(bf16), "--out", str(out), "--bits", str(bits)]
+                           + (["--dense-bits", str(dense_bits)] if dense_bits else []), check=True)
+        paths[name] = out
     ggufs = {
         # name: (outtype for non-expert matrices, expert type or "")
         "BF16": ("bf16", ""),
@@ -401,8 +404,11 @@ def main() -> None:
         "bf16": ("bf16 / BF16", "bf16", "BF16", None, False),
         "int8": ("int8 / Q8_0 experts", "int8", "Q8_0-experts", None, False),
         "int4": ("int4 / Q4_0 experts", "int4", "Q4_0-experts", None, False),
-        "int8-all": ("int8 / Q8_0 everything", "int8", "Q8_0-all", None, False),
-        "int4-all": ("int4 / Q4_0 everything", "int4", "Q4_0-all", None, False),
+        "int8-all": ("int8 + dense int8 / Q8_0 everything", "int8-d8", "Q8_0-all", None, False),
+        "int4-all": ("int4 + dense int4 / Q4_0 everything", "int4-d4", "Q4_0-all", None, False),
+        # the container without --dense-bits against the all-quantised files (the earlier table)
+        "int8-all-experts-only": ("int8 / Q8_0 everything", "int8", "Q8_0-all", None, False),
+        "int4-all-experts-only": ("int4 / Q4_0 everything", "int4", "Q4_0-all", None, False),
         "stream-int4": (f"streaming int4 / Q4_0 experts, cache {a.stream_cache}/{a.experts}, cold",
                         "int4", "Q4_0-experts", a.stream_cache, True),
         "stream-bf16": (f"streaming bf16 / BF16, cache {a.stream_cache}/{a.experts}, cold",

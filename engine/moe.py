@@ -20,6 +20,7 @@ from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
 from tierlab.engine.kernels.dense import axpy, linear, softmax_row, topk_desc
+from tierlab.engine.kernels.qmatmat import expert_forward_batch
 
 
 class SwiGLU:
@@ -117,14 +118,10 @@ class MoEBlock:
         logits_all = fused[:, :E]
         timers["router"] += time.perf_counter() - t0
         out = np.zeros((T, H), dtype=np.float32)
-        routes = []
-        for t in range(T):
-            t1 = time.perf_counter()
-            route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
-            timers["router"] += time.perf_counter() - t1
-            self._experts(x[t], route, out[t], ctx)
-            routes.append(route)
-            ctx.after_route(self.layer, route, logits_all[t])
+        if T > 1 and self._can_group(ctx):
+            routes = self._grouped_experts(x, logits_all, out, ctx)
+        else:
+            routes = self._token_by_token(x, logits_all, out, ctx)
         if self.shared_down is not None:
             t2 = time.perf_counter()
             g, u, sg = fused[:, E:E + S], fused[:, E + S:E + 2 * S], fused[:, E + 2 * S]
@@ -134,13 +131,87 @@ class MoEBlock:
             timers["shared"] += time.perf_counter() - t2
         return out, routes
 
-    def _experts(self, x: np.ndarray, route: TokenRoute, y: np.ndarray, ctx) -> None:
-        """y += sum over slots in rank order of weight * expert(x)."""
+    def _token_by_token(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[TokenRoute]:
+        """Route and compute each token in turn (decode, and prompts when experts can be evicted)."""
+        timers = ctx.timers
+        routes = []
+        for t in range(x.shape[0]):
+            t1 = time.perf_counter()
+            route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
+            timers["router"] += time.perf_counter() - t1
+            self._experts(x[t], route, out[t], ctx, prompt=x.shape[0] > 1)
+            routes.append(route)
+            ctx.after_route(self.layer, route, logits_all[t])
+        return routes
+
+    def _can_group(self, ctx) -> bool:
+        """A prompt's experts may be computed per expert when no expert can be evicted mid-prompt
+        (every expert has a RAM slot) and no GPU tier takes a share of them."""
+        return ctx.tier is None and ctx.cache.slots >= self.cfg.n_experts
+
+    def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[TokenRoute]:
+        """A prompt's experts, each read once for all the tokens routed to it.
+
+        Routing, residency and the hit/miss counts follow the tokens in order
+        exactly as `_token_by_token` does (each token's experts are acquired
+        before the next token is routed; with a slot for every expert nothing
+        is evicted, so holding them changes no decision). Only the arithmetic
+        is regrouped: the tokens of one expert go through the matrix-matrix
+        kernels, and each token still sums its experts in rank order.
+        """
+        layer, cache, timers = self.layer, ctx.cache, ctx.timers
+        T, K = x.shape[0], self.cfg.top_k
+        source = cache.source
+        routes: list[TokenRoute] = []
+        users: dict[int, list[tuple[int, int]]] = {}  # expert -> [(token, slot)] in token order
+        blobs: dict[int, np.ndarray] = {}
+        held: list[int] = []
+        try:
+            for t in range(T):
+                t1 = time.perf_counter()
+                route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
+                t2 = time.perf_counter()
+                timers["router"] += t2 - t1
+                for s in range(route.chosen.shape[0]):
+                    e = int(route.chosen[s])
+                    if e < 0:
+                        continue
+                    blobs[e], hit = cache.acquire(layer, e)
+                    held.append(e)
+                    route.ram_hits += int(hit)
+                    route.ram_misses += int(not hit)
+                    users.setdefault(e, []).append((t, s))
+                timers["fetch"] += time.perf_counter() - t2
+                routes.append(route)
+                ctx.after_route(layer, route, logits_all[t])
+            t3 = time.perf_counter()
+            outputs = np.zeros((T, K, x.shape[1]), dtype=np.float32)
+            for e, pairs in users.items():
+                tokens = [t for t, _ in pairs]
+                y = expert_forward_batch(source.kind, blobs[e], source.hidden, source.inter, x[tokens])
+                for i, (t, s) in enumerate(pairs):
+                    outputs[t, s] = y[i]
+            for t, route in enumerate(routes):
+                for s in range(route.chosen.shape[0]):
+                    if route.chosen[s] >= 0:
+                        axpy(out[t], np.float32(route.weights[s]), outputs[t, s])
+            timers["compute"] += time.perf_counter() - t3
+        finally:
+            for e in held:
+                cache.release(layer, e)
+        return routes
+
+    def _experts(self, x: np.ndarray, route: TokenRoute, y: np.ndarray, ctx, prompt: bool = False) -> None:
+        """y += sum over slots in rank order of weight * expert(x).
+
+        prompt: compute with the matrix-matrix kernels, as `_grouped_experts`
+        does, so that a prompt's results do not depend on the cache size.
+        """
         layer = self.layer
         K = route.chosen.shape[0]
         timers = ctx.timers
         cache = ctx.cache
-        source = cache.source
+        source = _PromptSource(cache.source) if prompt else cache.source
         outputs = np.zeros((K, x.shape[0]), dtype=np.float32)
         on_gpu: list[int] = []
         tier = ctx.tier
@@ -206,6 +277,17 @@ class MoEBlock:
         for s in range(K):
             if route.chosen[s] >= 0:
                 axpy(y, np.float32(route.weights[s]), outputs[s])
+
+
+class _PromptSource:
+    """An expert source whose forward uses the prompt (matrix-matrix) kernels for one token."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+
+    def forward(self, blob: np.ndarray, x: np.ndarray, y: np.ndarray, w: float) -> None:
+        s = self.source
+        y += np.float32(w) * expert_forward_batch(s.kind, blob, s.hidden, s.inter, x[None, :])[0]
 
 
 class DenseBlock:

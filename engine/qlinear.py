@@ -10,9 +10,9 @@ and every norm stay as they were: they are small, and the router's choice
 is what cache-aware routing studies.
 
 A `QuantMatrix` stands where a weight array stood; `linear()` in
-kernels/dense.py dispatches on it. One token uses the int8/int4 matvec (reads
-the packed bytes once); a prompt dequantises a block of rows at a time and
-multiplies it with BLAS, so the weights are still read once per prompt.
+kernels/dense.py dispatches on it. One token uses the int8/int4 matvec; a
+prompt uses the matrix-matrix kernels of kernels/qmatmat.py, which widen each
+row once for all its tokens, so the weights are read once per prompt.
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import numpy as np
 from numba import njit, prange
 
 from tierlab.engine.kernels import qmatvec
+from tierlab.engine.kernels.qmatmat import matmat
 from tierlab.engine.quant import GROUP, pack_weights, quantize_fast
-
-#: rows dequantised at once for a multi-token product (bounded scratch memory)
-ROW_BLOCK = 1024
-
 
 @dataclass(frozen=True)
 class QuantMatrix:
@@ -48,10 +45,6 @@ class QuantMatrix:
     @property
     def kind(self) -> str:
         return f"int{self.bits}"
-
-    def rows(self, start: int, stop: int) -> "QuantMatrix":
-        """Rows start..stop-1 as views (no copy)."""
-        return QuantMatrix(self.q[start:stop], self.scales[start:stop], self.bits)
 
     def dequantize(self) -> np.ndarray:
         """The float32 matrix the kernels multiply with (q * scale, exactly)."""
@@ -91,13 +84,7 @@ def qlinear(m: QuantMatrix, x: np.ndarray) -> np.ndarray:
         matvec = qmatvec.matvec_int8 if m.bits == 8 else qmatvec.matvec_int4
         matvec(m.q, m.scales, np.ascontiguousarray(x.reshape(-1), dtype=np.float32), out)
         return out if x.ndim == 1 else out[None, :]
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    rows = m.shape[0]
-    out = np.empty((x.shape[0], rows), dtype=np.float32)
-    for start in range(0, rows, ROW_BLOCK):
-        stop = min(rows, start + ROW_BLOCK)
-        out[:, start:stop] = x @ m.rows(start, stop).dequantize().T
-    return out
+    return matmat(m.kind, (m.q, m.scales), x)
 
 
 def fuse_quant(mats: list[QuantMatrix]) -> QuantMatrix:

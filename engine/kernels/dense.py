@@ -15,6 +15,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from tierlab.engine.kernels.qmatmat import matmat_bf16
 from tierlab.engine.kernels.qmatvec import matvec_bf16, matvec_fp32
 from tierlab.engine.qlinear import QuantMatrix, RowStack, qlinear
 
@@ -33,27 +34,6 @@ def matvec(w, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     else:
         matvec_fp32(w, x, out)
     return out
-
-
-@njit(nogil=True, fastmath=True, cache=True, parallel=True)
-def matmat_bf16(w, x, out):
-    """out[t, r] = w[r, :] . x[t, :] for a bf16 (uint16) w: each weight row is widened
-    once and reused for every token, so a prompt reads the weights once."""
-    rows, cols = w.shape
-    t_count = x.shape[0]
-    block = 16
-    n_blocks = (rows + block - 1) // block
-    for b in prange(n_blocks):
-        wide = np.empty(cols, dtype=np.uint32)
-        as_f32 = wide.view(np.float32)
-        for r in range(b * block, min(rows, (b + 1) * block)):
-            for c in range(cols):
-                wide[c] = np.uint32(w[r, c]) << np.uint32(16)
-            for t in range(t_count):
-                acc = np.float32(0.0)
-                for c in range(cols):
-                    acc += as_f32[c] * x[t, c]
-                out[t, r] = acc
 
 
 def widen(w: np.ndarray) -> np.ndarray:

@@ -1,0 +1,151 @@
+"""Matrix-matrix products for several tokens: a prompt's dense projections and grouped experts.
+
+Why: a prompt multiplies every weight matrix by many tokens. Row by row,
+each kernel widens one weight row to float32 once (bf16 bits, or int8/int4
+times its group scale) into a scratch row that stays in L1, then dots it with
+every token. The weights are read once per prompt instead of once per token,
+and the widening, which is most of a quantised matvec's work, is paid once
+per row. Used for the dense projections of a prompt (`linear` with T > 1)
+and for the tokens of a prompt that the router sent to the same expert
+(`expert_forward_batch`).
+
+All out[t, r] = row_r . x[t] in float32, within 1e-5 relative of a float64
+reference of the same (dequantised) weights. A token's result does not
+depend on the other tokens in the call, so grouping a prompt's tokens by
+expert in any way gives the same numbers; it is not bit-identical to the
+matvecs of `qmatvec` (which scale each group's sum, not each weight).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from tierlab.engine.kernels.qmatvec import GROUP, _bf16_f32, _hi_nibble_f32, _i8_f32, _lo_nibble_f32, _wide_vectors
+
+_ROW_BLOCK = 16  # rows per parallel step: enough steps for two threads, few launches' worth of overhead
+
+_OPTS = dict(nogil=True, cache=True, fastmath=True)
+
+
+@njit(**_OPTS)
+def _dot_rows(w, x, t):
+    _wide_vectors()
+    acc = np.float32(0.0)
+    for c in range(w.shape[0]):
+        acc += w[c] * x[t, c]
+    return acc
+
+
+@njit(**_OPTS)
+def _widen_bf16(w, r, row):
+    _wide_vectors()
+    for c in range(row.shape[0]):
+        row[c] = _bf16_f32(w[r, c])
+
+
+@njit(**_OPTS)
+def _widen_int8(q, s, r, row):
+    _wide_vectors()
+    for g in range(s.shape[1]):
+        scale = s[r, g]
+        for j in range(GROUP):
+            row[g * GROUP + j] = _i8_f32(q[r, g * GROUP + j]) * scale
+
+
+@njit(**_OPTS)
+def _widen_int4(q, s, r, row):
+    _wide_vectors()
+    half = GROUP // 2
+    for g in range(s.shape[1]):
+        scale = s[r, g]
+        for j in range(half):
+            b = q[r, g * half + j]
+            row[g * GROUP + j] = (_lo_nibble_f32(b) - np.float32(8.0)) * scale
+            row[g * GROUP + half + j] = (_hi_nibble_f32(b) - np.float32(8.0)) * scale
+
+
+@njit(**dict(_OPTS, parallel=True))
+def matmat_fp32(w, x, out):
+    """out[t, r] = w[r, :] . x[t, :] for a float32 w [rows, cols] (own loop, not BLAS: a
+    token's result must not depend on how many tokens share the call)."""
+    rows = w.shape[0]
+    for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        for r in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK)):
+            row = w[r]
+            for t in range(x.shape[0]):
+                out[t, r] = _dot_rows(row, x, t)
+
+
+@njit(**dict(_OPTS, parallel=True))
+def matmat_bf16(w, x, out):
+    """out[t, r] = w[r, :] . x[t, :] for a bf16 (uint16) w [rows, cols]."""
+    rows, cols = w.shape
+    for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        row = np.empty(cols, dtype=np.float32)
+        for r in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK)):
+            _widen_bf16(w, r, row)
+            for t in range(x.shape[0]):
+                out[t, r] = _dot_rows(row, x, t)
+
+
+@njit(**dict(_OPTS, parallel=True))
+def matmat_int8(q, s, x, out):
+    """out[t, r] = dequant(q, s)[r, :] . x[t, :] for int8 q [rows, cols], scales [rows, cols/64]."""
+    rows = q.shape[0]
+    cols = s.shape[1] * GROUP
+    for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        row = np.empty(cols, dtype=np.float32)
+        for r in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK)):
+            _widen_int8(q, s, r, row)
+            for t in range(x.shape[0]):
+                out[t, r] = _dot_rows(row, x, t)
+
+
+@njit(**dict(_OPTS, parallel=True))
+def matmat_int4(q, s, x, out):
+    """out[t, r] = dequant(q, s)[r, :] . x[t, :] for planar-nibble int4 q [rows, cols/2]."""
+    rows = q.shape[0]
+    cols = s.shape[1] * GROUP
+    for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
+        row = np.empty(cols, dtype=np.float32)
+        for r in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK)):
+            _widen_int4(q, s, r, row)
+            for t in range(x.shape[0]):
+                out[t, r] = _dot_rows(row, x, t)
+
+
+def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
+    """x [T, cols] times the matrix in `parts` (fp32: (w,), bf16: (w,), int8/int4: (q, scales)) -> [T, rows]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows = parts[0].shape[0]
+    out = np.empty((x.shape[0], rows), dtype=np.float32)
+    if kind == "fp32":
+        matmat_fp32(parts[0], x, out)
+    elif kind == "bf16":
+        matmat_bf16(parts[0], x, out)
+    elif kind == "int8":
+        matmat_int8(parts[0], parts[1], x, out)
+    elif kind == "int4":
+        matmat_int4(parts[0], parts[1], x, out)
+    else:
+        raise ValueError(f"unknown weight kind {kind!r}")
+    return out
+
+
+def expert_forward_batch(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
+    """down(silu(gate X) * (up X)) for the tokens X [n, hidden] routed to one expert -> [n, hidden].
+
+    The blob is one expert in the layout `qmatvec.EXPERT_FORWARD[kind]` reads.
+    """
+    from tierlab.engine.kernels import qmatvec
+
+    if kind in ("fp32", "bf16"):
+        gate, up, down = ((m,) for m in qmatvec.raw_matrices(blob, kind, hidden, inter))
+    else:
+        qg, sg, qu, su, qd, sd = qmatvec.quant_matrices(blob, 8 if kind == "int8" else 4, hidden, inter)
+        gate, up, down = (qg, sg), (qu, su), (qd, sd)
+    g = matmat(kind, gate, x)
+    u = matmat(kind, up, x)
+    h = (g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32)
+    return matmat(kind, down, h)

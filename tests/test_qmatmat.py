@@ -1,0 +1,60 @@
+"""Matrix-matrix kernels (prompt projections, grouped experts) against float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierlab.engine import quant as Q
+from tierlab.engine.kernels.qmatmat import expert_forward_batch, matmat
+from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD
+
+
+def _weights(kind: str, rows: int, cols: int, rng) -> tuple[tuple, np.ndarray]:
+    """(kernel operands, the float64 matrix they stand for)."""
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    if kind == "fp32":
+        return (w,), w.astype(np.float64)
+    if kind == "bf16":
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+        return (bits,), (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    nbits = 8 if kind == "int8" else 4
+    q, s = Q.quantize(w, nbits)
+    packed = Q.pack_weights(q, nbits).reshape(rows, -1)
+    return (packed if nbits == 4 else packed.view(np.int8), s), Q.dequantize(q, s)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 2, 7])
+def test_matmat_matches_float64(kind, tokens):
+    rng = np.random.default_rng(tokens)
+    rows, cols = 37, 256  # a partial last block of rows
+    parts, ref_w = _weights(kind, rows, cols, rng)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    got = matmat(kind, parts, x)
+    ref = x.astype(np.float64) @ ref_w.T
+    assert got.shape == (tokens, rows)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def _blob(kind: str, hidden: int, inter: int, rng) -> np.ndarray:
+    gate, up, down = (rng.standard_normal(s).astype(np.float32) * 0.2
+                      for s in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    if kind in ("int8", "int4"):
+        return Q.build_blob(gate, up, down, 8 if kind == "int8" else 4)
+    if kind == "bf16":
+        return np.concatenate([(m.view(np.uint32) >> 16).astype(np.uint16).reshape(-1) for m in (gate, up, down)]).view(np.uint8)
+    return np.concatenate([m.reshape(-1) for m in (gate, up, down)]).view(np.uint8)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+def test_expert_batch_matches_one_token_at_a_time(kind):
+    rng = np.random.default_rng(5)
+    hidden, inter = 128, 64
+    blob = _blob(kind, hidden, inter, rng)
+    x = rng.standard_normal((5, hidden)).astype(np.float32)
+    got = expert_forward_batch(kind, blob, hidden, inter, x)
+    for t in range(5):
+        y = np.zeros(hidden, dtype=np.float32)
+        EXPERT_FORWARD[kind](blob, hidden, inter, x[t], y, 1.0)
+        assert np.abs(got[t] - y).max() <= 1e-5 * np.abs(y).max()
