@@ -147,7 +147,7 @@ class MoEBlock:
     def _can_group(self, ctx) -> bool:
         """A prompt's experts may be computed per expert when no expert can be evicted mid-prompt
         (every expert has a RAM slot) and no GPU tier takes a share of them."""
-        return ctx.tier is None and ctx.cache.slots >= self.cfg.n_experts
+        return ctx.tier is None and ctx.cache.slots >= self.cfg.n_experts >= self.cfg.top_k
 
     def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[TokenRoute]:
         """A prompt's experts, each read once for all the tokens routed to it.
@@ -165,21 +165,23 @@ class MoEBlock:
         routes: list[TokenRoute] = []
         users: dict[int, list[tuple[int, int]]] = {}  # expert -> [(token, slot)] in token order
         blobs: dict[int, np.ndarray] = {}
-        held: list[int] = []
+        fetches = []
         try:
             for t in range(T):
                 t1 = time.perf_counter()
                 route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
                 t2 = time.perf_counter()
                 timers["router"] += t2 - t1
-                for s in range(route.chosen.shape[0]):
-                    e = int(route.chosen[s])
-                    if e < 0:
-                        continue
-                    blobs[e], hit = cache.acquire(layer, e)
-                    held.append(e)
-                    route.ram_hits += int(hit)
-                    route.ram_misses += int(not hit)
+                slots = [s for s in range(route.chosen.shape[0]) if route.chosen[s] >= 0]
+                experts = [int(route.chosen[s]) for s in slots]
+                # the token's misses are read by the cache's reader threads side by side; all
+                # are in RAM before the next token is routed, as in decode
+                fetch = cache.acquire_token(layer, experts)
+                fetches.append(fetch)
+                for i, (s, e) in enumerate(zip(slots, experts)):
+                    blobs[e] = fetch.blob(i)
+                    route.ram_hits += int(fetch.hit(i))
+                    route.ram_misses += int(not fetch.hit(i))
                     users.setdefault(e, []).append((t, s))
                 timers["fetch"] += time.perf_counter() - t2
                 routes.append(route)
@@ -197,8 +199,8 @@ class MoEBlock:
                         axpy(out[t], np.float32(route.weights[s]), outputs[t, s])
             timers["compute"] += time.perf_counter() - t3
         finally:
-            for e in held:
-                cache.release(layer, e)
+            for fetch in fetches:
+                fetch.close()
         return routes
 
     def _experts(self, x: np.ndarray, route: TokenRoute, y: np.ndarray, ctx, prompt: bool = False) -> None:
