@@ -17,6 +17,9 @@ def _add_kernels(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a few seconds (CI); fewer, shorter timings")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--threads", type=int, default=None, help="numba threads (default: all cores)")
+    p.add_argument("--working-set", type=int, default=None, metavar="MIB",
+                   help="MiB of operands the timed calls rotate through (default 512, beyond the "
+                        "last-level cache; 16 with --quick); a small one measures cache-resident speed")
     p.set_defaults(bench_run=_run_kernels)
 
 
@@ -27,7 +30,12 @@ def _run_kernels(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"  measuring {what} ...", file=sys.stderr, flush=True)
 
-    report = run_kernel_bench(quick=args.quick, threads=args.threads, progress=progress)
+    if args.working_set is not None and args.working_set < 1:
+        from tierlab.engine.errors import TierlabError
+
+        raise TierlabError("--working-set must be at least 1 MiB")
+    report = run_kernel_bench(quick=args.quick, threads=args.threads, progress=progress,
+                              working_set_mib=args.working_set)
     if args.json:
         print(json.dumps(report.to_json()))
     else:

@@ -184,14 +184,15 @@ def measure_expert_reads(n_blobs: int, calls: int, hidden: int = 2048, inter: in
     return layout.nbytes / timing.median_s / 1e9, timing.median_s * 1e6
 
 
-def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=None) -> KernelReport:
+def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=None,
+                     working_set_mib: int | None = None) -> KernelReport:
     """Measure bandwidth, matvec and fused-expert throughput. quick: a few seconds in total."""
     import numba
 
     if threads:
         numba.set_num_threads(threads)
     rng = np.random.default_rng(0)
-    working_set = (16 if quick else 512) << 20
+    working_set = (working_set_mib or (16 if quick else 512)) << 20
     calls, min_s = (15, 0.05) if quick else (200, 0.5)
     bw_bytes = (64 if quick else 512) << 20
     bw, bw_np = measure_bandwidth(bw_bytes, 5 if quick else 15)
