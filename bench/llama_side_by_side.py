@@ -423,6 +423,8 @@ def main() -> None:
                          f"{a.squeeze_cache}/{a.experts}, cold", "int4", "Q4_0-experts", a.squeeze_cache, True, True),
         "squeeze-int8": (f"squeezed int8 / Q8_0 experts, {a.mem_limit_mib} MiB cgroup, cache "
                          f"{a.squeeze_cache}/{a.experts}, cold", "int8", "Q8_0-experts", a.squeeze_cache, True, True),
+        "squeeze-int4-all": (f"squeezed int4 + dense int4 / Q4_0 everything, {a.mem_limit_mib} MiB cgroup, cache "
+                             f"{a.squeeze_cache}/{a.experts}, cold", "int4-d4", "Q4_0-all", a.squeeze_cache, True, True),
     }
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     log(f"llama-cpp-python {llama_cpp.__version__}; load {loadavg()}")
