@@ -150,7 +150,7 @@ def _softplus(v):
     return np.float32(math.log1p(math.exp(v)))
 
 
-@njit(nogil=True, fastmath=True, cache=True)
+@njit(nogil=True, fastmath=True, cache=True, parallel=True)
 def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, eps,
                    state, k_heads, v_heads, dk, dv, out):
     """Gated DeltaNet over T tokens, updating conv and recurrent state in place.
@@ -169,8 +169,6 @@ def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, e
     conv_out = np.empty(channels, dtype=np.float32)
     q = np.empty((k_heads, dk), dtype=np.float32)
     k = np.empty((k_heads, dk), dtype=np.float32)
-    o = np.empty(dv, dtype=np.float32)
-    m = np.empty(dv, dtype=np.float32)
     q_scale = np.float32(1.0 / math.sqrt(dk))
     for t in range(t_count):
         # depthwise causal conv over the last K inputs, then SiLU
@@ -200,39 +198,51 @@ def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, e
             for i in range(dk):
                 q[hk, i] = conv_out[hk * dk + i] * iq
                 k[hk, i] = conv_out[key_dim + hk * dk + i] * ik
-        for hv in range(v_heads):
-            hk = hv // ratio
-            beta = _sigmoid(b[t, hv])
-            g = -np.float32(math.exp(a_log[hv])) * _softplus(a[t, hv] + dt_bias[hv])
-            decay = np.float32(math.exp(g))
-            vbase = 2 * key_dim + hv * dv
-            for j in range(dv):
-                m[j] = 0.0
-            for i in range(dk):
-                ki = k[hk, i]
-                for j in range(dv):
-                    s = state[hv, i, j] * decay
-                    state[hv, i, j] = s
-                    m[j] += s * ki
-            for j in range(dv):
-                m[j] = beta * (conv_out[vbase + j] - m[j])
-            for j in range(dv):
-                o[j] = 0.0
-            for i in range(dk):
-                ki = k[hk, i]
-                qi = q[hk, i]
-                for j in range(dv):
-                    s = state[hv, i, j] + ki * m[j]
-                    state[hv, i, j] = s
-                    o[j] += s * qi
-            # gated RMSNorm with the plain weight, then * silu(z)
-            ss = np.float32(0.0)
-            for j in range(dv):
-                ss += o[j] * o[j]
-            inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
-            for j in range(dv):
-                zz = z[t, hv * dv + j]
-                out[t, hv * dv + j] = norm_w[j] * (o[j] * inv) * (zz / (np.float32(1.0) + np.float32(math.exp(-zz))))
+        for hv in prange(v_heads):  # value heads are independent given q and k
+            _deltanet_head(hv, hv // ratio, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state,
+                           2 * key_dim + hv * dv, dv, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _deltanet_head(hv, hk, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state, vbase, dv, out):
+    """One value head of one token: the delta-rule update of S [dk, dv] and the gated-normed output.
+
+    With S' = decay * S + k (x) delta, the output S'^T q is computed as
+    decay * (S^T q) + delta * (k . q), so S is read once for S^T k and S^T q
+    and once more to be updated (instead of being updated twice).
+    """
+    dk = k.shape[1]
+    beta = _sigmoid(b[t, hv])
+    g = -np.float32(math.exp(a_log[hv])) * _softplus(a[t, hv] + dt_bias[hv])
+    decay = np.float32(math.exp(g))
+    sk = np.zeros(dv, dtype=np.float32)
+    sq = np.zeros(dv, dtype=np.float32)
+    kq = np.float32(0.0)
+    for i in range(dk):
+        ki = k[hk, i]
+        qi = q[hk, i]
+        kq += ki * qi
+        for j in range(dv):
+            s = state[hv, i, j]
+            sk[j] += s * ki
+            sq[j] += s * qi
+    delta = np.empty(dv, dtype=np.float32)
+    o = np.empty(dv, dtype=np.float32)
+    for j in range(dv):
+        delta[j] = beta * (conv_out[vbase + j] - decay * sk[j])
+        o[j] = decay * sq[j] + delta[j] * kq
+    for i in range(dk):
+        ki = k[hk, i]
+        for j in range(dv):
+            state[hv, i, j] = decay * state[hv, i, j] + ki * delta[j]
+    # gated RMSNorm with the plain weight, then * silu(z)
+    ss = np.float32(0.0)
+    for j in range(dv):
+        ss += o[j] * o[j]
+    inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
+    for j in range(dv):
+        zz = z[t, hv * dv + j]
+        out[t, hv * dv + j] = norm_w[j] * (o[j] * inv) * (zz / (np.float32(1.0) + np.float32(math.exp(-zz))))
 
 
 @njit(nogil=True, fastmath=False, cache=True)
