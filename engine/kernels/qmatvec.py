@@ -198,6 +198,45 @@ def _dot_pieces(builder, ws, xs):
     return acc
 
 
+def _avx512_host() -> bool:
+    """True when numba compiles for this machine's CPU and it has AVX-512F."""
+    from numba.core import config
+    from llvmlite import binding
+
+    if config.CPU_NAME or config.CPU_FEATURES:  # a portable or cross-target build: stay generic
+        return False
+    if os.environ.get("TIERLAB_INT4_TABLE", "1") == "0":  # the convert path, for A/B benchmarks
+        return False
+    try:
+        return bool(binding.get_host_cpu_features().get("avx512f"))
+    except RuntimeError:
+        return False
+
+
+# int4 widening by table lookup (AVX-512 `vpermps`): the permute reads only the
+# low 4 bits of each 32-bit index, so a byte zero-extended to 32 bits indexes
+# its low nibble directly and, shifted right by 4, its high nibble; the
+# 16-entry table holds q - 8 as float32. Per 64 weights that is 2 zero-extends,
+# 2 shifts and 4 permutes instead of masks, lane extracts, 4 zero-extends and
+# 4 int->float converts, and the -8 needs no correction afterwards.
+_PERMUTE_NIBBLES = _avx512_host()
+_V16I = ir.VectorType(ir.IntType(32), 16)
+
+
+def _nibbles_by_table(builder, q, g):
+    """The 64 weights (q - 8, float32) of group g as four <16 x float> pieces in element order."""
+    permute = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16F, [_V16F, _V16I]), "llvm.x86.avx512.permvar.sf.512")
+    table = ir.Constant(_V16F, [float(v - 8) for v in range(16)])
+    los, his = [], []
+    for half in range(2):  # bytes 0-15 and 16-31 of the group
+        start = builder.add(builder.mul(g, ir.Constant(_I64, 32)), ir.Constant(_I64, 16 * half))
+        wide = builder.zext(_load_vec(builder, q, start, ir.VectorType(_I8, 16), 1), _V16I)
+        los.append(builder.call(permute, [table, wide]))
+        his.append(builder.call(permute, [table, builder.lshr(wide, ir.Constant(_V16I, [4] * 16))]))
+    return los + his  # elements 0-15, 16-31 (low nibbles) | 32-47, 48-63 (high nibbles)
+
+
 def _pair_group_loop(context, builder, signature, args, bits):
     """Emit the loop over groups for two rows; returns the (float32, float32) tuple."""
     arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
@@ -224,7 +263,10 @@ def _pair_group_loop(context, builder, signature, args, bits):
     new_accs, new_offs = [], []
     for q, s, acc, off in ((qa, sa, accs[0], offs[0]), (qb, sb, accs[1], offs[1])):
         scale = builder.load(builder.gep(s, [g]))
-        if bits == 4:
+        if bits == 4 and _PERMUTE_NIBBLES:
+            ws = _nibbles_by_table(builder, q, g)
+            new_offs.append(off)  # the table gives q - 8 itself: no offset to take back
+        elif bits == 4:
             raw = _load_vec(builder, q, builder.mul(g, ir.Constant(_I64, 32)), ir.VectorType(_I8, 32), 1)
             lo = builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * 32)), ir.VectorType(_F32, 32))
             hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * 32)), ir.VectorType(_F32, 32))
