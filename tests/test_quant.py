@@ -245,3 +245,32 @@ def test_kernels_can_run_from_two_threads_at_once(rng):
         results = list(pool.map(work, range(2)))
     for got, ref in zip(results, refs):
         _close(got, ref)
+
+
+def test_int4_convert_path_matches_float64_when_the_table_path_is_off(tmp_path):
+    """Both int4 widening paths are exact: the AVX-512 table lookup (the default on such
+    hosts) and the zero-extend-and-convert path other CPUs use, forced here in a fresh
+    process with its own numba cache (the choice is made when the kernels compile)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from tierlab.engine import quant as Q\n"
+        "from tierlab.engine.kernels import qmatvec as K\n"
+        "assert K._PERMUTE_NIBBLES is False\n"
+        "rng = np.random.default_rng(3)\n"
+        "for rows, cols in ((512, 2048), (7, 128)):\n"
+        "    w = rng.standard_normal((rows, cols)).astype(np.float32)\n"
+        "    q, s = Q.quantize(w, 4)\n"
+        "    x = rng.standard_normal(cols).astype(np.float32)\n"
+        "    out = np.empty(rows, np.float32)\n"
+        "    K.matvec_int4(Q.pack_int4(q), s, x, out)\n"
+        "    ref = Q.dequantize(q, s) @ x.astype(np.float64)\n"
+        "    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max(), (rows, cols)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TIERLAB_INT4_TABLE="0", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
