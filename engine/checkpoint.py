@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierlab.engine import hugepages
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.errors import ModelError
 from tierlab.engine.qlinear import QuantMatrix, RowStack, check_quant_parts, fuse_quant
@@ -156,4 +157,4 @@ def _fuse_plain(mats: list[np.ndarray]) -> np.ndarray:
         return np.ascontiguousarray(mats[0])
     if len({m.dtype for m in mats}) != 1:
         mats = [to_f32(m) for m in mats]
-    return np.ascontiguousarray(np.concatenate(mats, axis=0))
+    return hugepages.concat_rows(mats)

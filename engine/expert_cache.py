@@ -17,6 +17,8 @@ from typing import Callable
 
 import numpy as np
 
+from tierlab.engine import hugepages
+
 
 class ExpertCache:
     def __init__(self, source, n_layers: int, n_experts: int, slots: int, moe_layers: list[bool]) -> None:
@@ -38,7 +40,7 @@ class ExpertCache:
 
     def _new_layer(self, slots: int) -> dict:
         return {
-            "store": np.empty((slots, self.source.blob_nbytes), dtype=np.uint8),
+            "store": hugepages.empty((slots, self.source.blob_nbytes), np.uint8),
             "expert": np.full(slots, -1, dtype=np.int64),  # expert held by each slot
             "slot_of": np.full(self.n_experts, -1, dtype=np.int64),
             "last": np.zeros(slots, dtype=np.int64),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from tierlab.engine import hugepages
 from tierlab.engine.kernels import qmatvec
 from tierlab.engine.kernels.qmatmat import matmat
 from tierlab.engine.quant import GROUP, pack_weights, quantize_fast
@@ -89,8 +90,8 @@ def qlinear(m: QuantMatrix, x: np.ndarray) -> np.ndarray:
 
 def fuse_quant(mats: list[QuantMatrix]) -> QuantMatrix:
     """Stack quantised matrices of one kind that multiply the same input (one kernel pass)."""
-    return QuantMatrix(np.ascontiguousarray(np.concatenate([m.q for m in mats])),
-                       np.ascontiguousarray(np.concatenate([m.scales for m in mats])), mats[0].bits)
+    return QuantMatrix(hugepages.concat_rows([m.q for m in mats]),
+                       hugepages.concat_rows([m.scales for m in mats]), mats[0].bits)
 
 
 class RowStack:

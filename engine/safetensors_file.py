@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tierlab.engine import hugepages
+
 from tierlab.engine.errors import ModelError
 
 # safetensors dtype name -> (numpy storage dtype, bytes per element).
@@ -103,7 +105,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """Read a whole tensor into memory in its storage dtype (bf16 as uint16)."""
     np_dtype, _ = DTYPES[info.dtype]
-    out = np.empty(info.shape, dtype=np_dtype)
+    out = hugepages.empty(info.shape, np_dtype)
     read_into(info.path, info.offset, out.reshape(-1).view(np.uint8))
     return out
 
