@@ -38,6 +38,39 @@ def _dot_rows(w, x, t):
 
 
 @njit(**_OPTS)
+def _dot4(rows4, x, t):
+    """Four rows (rows4 [4, cols]) dotted with x[t] in one pass: each load of x feeds four FMAs."""
+    _wide_vectors()
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for c in range(rows4.shape[1]):
+        xc = x[t, c]
+        a0 += rows4[0, c] * xc
+        a1 += rows4[1, c] * xc
+        a2 += rows4[2, c] * xc
+        a3 += rows4[3, c] * xc
+    return a0, a1, a2, a3
+
+
+@njit(**_OPTS)
+def _store_rows(rows_f32, r0, n, x, out):
+    """out[t, r0:r0+n] for every token: four rows at a time, a last partial group one by one."""
+    if n == 4:
+        for t in range(x.shape[0]):
+            a0, a1, a2, a3 = _dot4(rows_f32, x, t)
+            out[t, r0] = a0
+            out[t, r0 + 1] = a1
+            out[t, r0 + 2] = a2
+            out[t, r0 + 3] = a3
+    else:
+        for k in range(n):
+            for t in range(x.shape[0]):
+                out[t, r0 + k] = _dot_rows(rows_f32[k], x, t)
+
+
+@njit(**_OPTS)
 def _widen_bf16(w, r, row):
     _wide_vectors()
     for c in range(row.shape[0]):
@@ -65,16 +98,21 @@ def _widen_int4(q, s, r, row):
             row[g * GROUP + half + j] = (_hi_nibble_f32(b) - np.float32(8.0)) * scale
 
 
+# Each parallel step takes 16 rows, four at a time: the four rows are widened
+# into a float32 scratch [4, cols] (32 KiB at 2048 columns, in L1) and dotted
+# with every token together. A row's result depends only on its row index
+# (full group of four, or the matrix's last partial group), never on T.
+
+
 @njit(**dict(_OPTS, parallel=True))
 def matmat_fp32(w, x, out):
     """out[t, r] = w[r, :] . x[t, :] for a float32 w [rows, cols] (own loop, not BLAS: a
     token's result must not depend on how many tokens share the call)."""
     rows = w.shape[0]
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        for r in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK)):
-            row = w[r]
-            for t in range(x.shape[0]):
-                out[t, r] = _dot_rows(row, x, t)
+        for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
+            n = min(4, rows - r0)
+            _store_rows(w[r0:r0 + n], r0, n, x, out)
 
 
 @njit(**dict(_OPTS, parallel=True))
@@ -82,11 +120,12 @@ def matmat_bf16(w, x, out):
     """out[t, r] = w[r, :] . x[t, :] for a bf16 (uint16) w [rows, cols]."""
     rows, cols = w.shape
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        row = np.empty(cols, dtype=np.float32)
-        for r in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK)):
-            _widen_bf16(w, r, row)
-            for t in range(x.shape[0]):
-                out[t, r] = _dot_rows(row, x, t)
+        scratch = np.empty((4, cols), dtype=np.float32)
+        for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
+            n = min(4, rows - r0)
+            for k in range(n):
+                _widen_bf16(w, r0 + k, scratch[k])
+            _store_rows(scratch, r0, n, x, out)
 
 
 @njit(**dict(_OPTS, parallel=True))
@@ -95,11 +134,12 @@ def matmat_int8(q, s, x, out):
     rows = q.shape[0]
     cols = s.shape[1] * GROUP
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        row = np.empty(cols, dtype=np.float32)
-        for r in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK)):
-            _widen_int8(q, s, r, row)
-            for t in range(x.shape[0]):
-                out[t, r] = _dot_rows(row, x, t)
+        scratch = np.empty((4, cols), dtype=np.float32)
+        for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
+            n = min(4, rows - r0)
+            for k in range(n):
+                _widen_int8(q, s, r0 + k, scratch[k])
+            _store_rows(scratch, r0, n, x, out)
 
 
 @njit(**dict(_OPTS, parallel=True))
@@ -108,11 +148,12 @@ def matmat_int4(q, s, x, out):
     rows = q.shape[0]
     cols = s.shape[1] * GROUP
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        row = np.empty(cols, dtype=np.float32)
-        for r in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK)):
-            _widen_int4(q, s, r, row)
-            for t in range(x.shape[0]):
-                out[t, r] = _dot_rows(row, x, t)
+        scratch = np.empty((4, cols), dtype=np.float32)
+        for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
+            n = min(4, rows - r0)
+            for k in range(n):
+                _widen_int4(q, s, r0 + k, scratch[k])
+            _store_rows(scratch, r0, n, x, out)
 
 
 def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
