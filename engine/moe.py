@@ -20,7 +20,7 @@ from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
 from tierlab.engine.kernels.dense import axpy, linear, softmax_row, topk_desc
-from tierlab.engine.kernels.qmatmat import expert_forward_batch
+from tierlab.engine.kernels.qmatvec import expert_forward_tokens
 
 
 class SwiGLU:
@@ -139,7 +139,7 @@ class MoEBlock:
             t1 = time.perf_counter()
             route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
             timers["router"] += time.perf_counter() - t1
-            self._experts(x[t], route, out[t], ctx, prompt=x.shape[0] > 1)
+            self._experts(x[t], route, out[t], ctx)
             routes.append(route)
             ctx.after_route(self.layer, route, logits_all[t])
         return routes
@@ -155,9 +155,10 @@ class MoEBlock:
         Routing, residency and the hit/miss counts follow the tokens in order
         exactly as `_token_by_token` does (each token's experts are acquired
         before the next token is routed; with a slot for every expert nothing
-        is evicted, so holding them changes no decision). Only the arithmetic
-        is regrouped: the tokens of one expert go through the matrix-matrix
-        kernels, and each token still sums its experts in rank order.
+        is evicted, so holding them changes no decision). Only the work is
+        regrouped: one pass over an expert's weights serves all its tokens
+        (`expert_forward_tokens`, bit-identical to the one-token kernel), and
+        each token still sums its experts in rank order.
         """
         layer, cache, timers = self.layer, ctx.cache, ctx.timers
         T, K = x.shape[0], self.cfg.top_k
@@ -190,7 +191,7 @@ class MoEBlock:
             outputs = np.zeros((T, K, x.shape[1]), dtype=np.float32)
             for e, pairs in users.items():
                 tokens = [t for t, _ in pairs]
-                y = expert_forward_batch(source.kind, blobs[e], source.hidden, source.inter, x[tokens])
+                y = expert_forward_tokens(source.kind, blobs[e], source.hidden, source.inter, x[tokens])
                 for i, (t, s) in enumerate(pairs):
                     outputs[t, s] = y[i]
             for t, route in enumerate(routes):
@@ -203,17 +204,13 @@ class MoEBlock:
                 fetch.close()
         return routes
 
-    def _experts(self, x: np.ndarray, route: TokenRoute, y: np.ndarray, ctx, prompt: bool = False) -> None:
-        """y += sum over slots in rank order of weight * expert(x).
-
-        prompt: compute with the matrix-matrix kernels, as `_grouped_experts`
-        does, so that a prompt's results do not depend on the cache size.
-        """
+    def _experts(self, x: np.ndarray, route: TokenRoute, y: np.ndarray, ctx) -> None:
+        """y += sum over slots in rank order of weight * expert(x)."""
         layer = self.layer
         K = route.chosen.shape[0]
         timers = ctx.timers
         cache = ctx.cache
-        source = _PromptSource(cache.source) if prompt else cache.source
+        source = cache.source
         outputs = np.zeros((K, x.shape[0]), dtype=np.float32)
         on_gpu: list[int] = []
         tier = ctx.tier
@@ -279,17 +276,6 @@ class MoEBlock:
         for s in range(K):
             if route.chosen[s] >= 0:
                 axpy(y, np.float32(route.weights[s]), outputs[s])
-
-
-class _PromptSource:
-    """An expert source whose forward uses the prompt (matrix-matrix) kernels for one token."""
-
-    def __init__(self, source) -> None:
-        self.source = source
-
-    def forward(self, blob: np.ndarray, x: np.ndarray, y: np.ndarray, w: float) -> None:
-        s = self.source
-        y += np.float32(w) * expert_forward_batch(s.kind, blob, s.hidden, s.inter, x[None, :])[0]
 
 
 class DenseBlock:

@@ -1,4 +1,4 @@
-"""Matrix-matrix kernels (prompt projections, grouped experts) against float64 references."""
+"""Several tokens at once: prompt projections against float64, grouped experts against decode."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from tierlab.engine import quant as Q
-from tierlab.engine.kernels.qmatmat import expert_forward_batch, matmat
-from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD
+from tierlab.engine.kernels.qmatmat import matmat
+from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD, expert_forward_tokens
 
 
 def _weights(kind: str, rows: int, cols: int, rng) -> tuple[tuple, np.ndarray]:
@@ -48,13 +48,17 @@ def _blob(kind: str, hidden: int, inter: int, rng) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
-def test_expert_batch_matches_one_token_at_a_time(kind):
+@pytest.mark.parametrize("hidden, inter", [(128, 64), (192, 128)])
+def test_expert_tokens_are_bit_identical_to_one_token_at_a_time(kind, hidden, inter):
+    """The kernel a prompt's grouped experts use gives each token exactly what decode gives it,
+    so grouping (which depends on the cache size) never changes a result."""
     rng = np.random.default_rng(5)
-    hidden, inter = 128, 64
     blob = _blob(kind, hidden, inter, rng)
     x = rng.standard_normal((5, hidden)).astype(np.float32)
-    got = expert_forward_batch(kind, blob, hidden, inter, x)
+    got = expert_forward_tokens(kind, blob, hidden, inter, x)
+    alone = expert_forward_tokens(kind, blob, hidden, inter, x[2:3])
+    np.testing.assert_array_equal(alone[0], got[2])
     for t in range(5):
         y = np.zeros(hidden, dtype=np.float32)
         EXPERT_FORWARD[kind](blob, hidden, inter, x[t], y, 1.0)
-        assert np.abs(got[t] - y).max() <= 1e-5 * np.abs(y).max()
+        np.testing.assert_array_equal(got[t], y)

@@ -5,14 +5,12 @@ each kernel widens one weight row to float32 once (bf16 bits, or int8/int4
 times its group scale) into a scratch row that stays in L1, then dots it with
 every token. The weights are read once per prompt instead of once per token,
 and the widening, which is most of a quantised matvec's work, is paid once
-per row. Used for the dense projections of a prompt (`linear` with T > 1)
-and for the tokens of a prompt that the router sent to the same expert
-(`expert_forward_batch`).
+per row. Used for the dense projections of a prompt (`linear` with T > 1).
+(A prompt's experts use `qmatvec.expert_forward_tokens` instead: an expert
+serves a few tokens, too few to pay for widening its rows.)
 
 All out[t, r] = row_r . x[t] in float32, within 1e-5 relative of a float64
-reference of the same (dequantised) weights. A token's result does not
-depend on the other tokens in the call, so grouping a prompt's tokens by
-expert in any way gives the same numbers; it is not bit-identical to the
+reference of the same (dequantised) weights; not bit-identical to the
 matvecs of `qmatvec` (which scale each group's sum, not each weight).
 """
 
@@ -172,21 +170,3 @@ def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
     else:
         raise ValueError(f"unknown weight kind {kind!r}")
     return out
-
-
-def expert_forward_batch(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
-    """down(silu(gate X) * (up X)) for the tokens X [n, hidden] routed to one expert -> [n, hidden].
-
-    The blob is one expert in the layout `qmatvec.EXPERT_FORWARD[kind]` reads.
-    """
-    from tierlab.engine.kernels import qmatvec
-
-    if kind in ("fp32", "bf16"):
-        gate, up, down = ((m,) for m in qmatvec.raw_matrices(blob, kind, hidden, inter))
-    else:
-        qg, sg, qu, su, qd, sd = qmatvec.quant_matrices(blob, 8 if kind == "int8" else 4, hidden, inter)
-        gate, up, down = (qg, sg), (qu, su), (qd, sd)
-    g = matmat(kind, gate, x)
-    u = matmat(kind, up, x)
-    h = (g / (np.float32(1.0) + np.exp(-g)) * u).astype(np.float32)
-    return matmat(kind, down, h)

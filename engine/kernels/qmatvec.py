@@ -555,6 +555,76 @@ def _pass_int4(qa, sa, qb, sb, x, out, mode, w):
         _store_last(mode, out, r, v, wf)
 
 
+# --- the same row passes over several tokens ------------------------------------------------
+# A prompt's tokens routed to one expert: each step's rows are read once and
+# dotted with every token by the very dot functions above, so each token gets
+# what the one-token pass gives it, whichever tokens share the call. Modes SET
+# and GATE_UP (out and x are [T, n]).
+
+
+@njit(**_PARALLEL)
+def _tokens_fp32(a, b, x, out, mode):
+    _wide_vectors()
+    for p in prange(_steps(mode, a.shape[0])):
+        _prefetch_next(mode, a, b, p)
+        ra, rb = _pair_rows(mode, p)
+        for t in range(x.shape[0]):
+            va, vb = _dot2_fp32(a, ra, b, rb, x[t])
+            _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
+    if mode != GATE_UP and a.shape[0] % 2:
+        r = a.shape[0] - 1
+        for t in range(x.shape[0]):
+            out[t, r] = _dot_fp32(a, r, x[t])
+
+
+@njit(**_PARALLEL)
+def _tokens_bf16(a, b, x, out, mode):
+    _wide_vectors()
+    for p in prange(_steps(mode, a.shape[0])):
+        _prefetch_next(mode, a, b, p)
+        ra, rb = _pair_rows(mode, p)
+        for t in range(x.shape[0]):
+            va, vb = _dot2_bf16(a, ra, b, rb, x[t])
+            _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
+    if mode != GATE_UP and a.shape[0] % 2:
+        r = a.shape[0] - 1
+        for t in range(x.shape[0]):
+            out[t, r] = _dot_bf16(a, r, x[t])
+
+
+@njit(**_PARALLEL)
+def _tokens_int8(qa, sa, qb, sb, x, out, mode):
+    _wide_vectors()
+    for p in prange(_steps(mode, qa.shape[0])):
+        _prefetch_next(mode, qa, qb, p)
+        ra, rb = _pair_rows(mode, p)
+        for t in range(x.shape[0]):
+            va, vb = _dot2_int8(qa, sa, ra, qb, sb, rb, x[t])
+            _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
+    if mode != GATE_UP and qa.shape[0] % 2:
+        r = qa.shape[0] - 1
+        for t in range(x.shape[0]):
+            out[t, r] = _dot_int8(qa, sa, r, x[t])
+
+
+@njit(**_PARALLEL)
+def _tokens_int4(qa, sa, qb, sb, x, out, mode):
+    _wide_vectors()
+    xsum8 = np.empty((x.shape[0], sa.shape[1]), dtype=np.float32)
+    for t in range(x.shape[0]):
+        xsum8[t] = _group_sums8(x[t])
+    for p in prange(_steps(mode, qa.shape[0])):
+        _prefetch_next(mode, qa, qb, p)
+        ra, rb = _pair_rows(mode, p)
+        for t in range(x.shape[0]):
+            va, vb = _dot2_int4(qa, sa, ra, qb, sb, rb, x[t], xsum8[t])
+            _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
+    if mode != GATE_UP and qa.shape[0] % 2:
+        r = qa.shape[0] - 1
+        for t in range(x.shape[0]):
+            out[t, r] = _dot_int4(qa, sa, r, x[t], xsum8[t])
+
+
 # --- public entry points --------------------------------------------------------------------
 # Plain Python on purpose: a numba function that calls another is re-optimised
 # with the callee inlined, so njit wrappers here tripled the cold compile time
@@ -662,6 +732,35 @@ def expert_forward_int4(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
     h = np.empty(inter, np.float32)
     _pass_int4(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
     _pass_int4(qd, sd, qd, sd, h, y, ADD, float(w))
+
+
+def expert_forward_tokens(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
+    """down(silu(gate x_t) * (up x_t)) for each row x_t of x [n, hidden] -> [n, hidden].
+
+    Each token's result is the one `EXPERT_FORWARD[kind]` gives it (added to a
+    zero y with weight 1), and does not depend on the other tokens; the blob's
+    rows are read once for all of them.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != hidden:
+        raise ValueError(f"expert_forward_tokens needs x[n, {hidden}], got {x.shape}")
+    n = x.shape[0]
+    h = np.empty((n, inter), np.float32)
+    y = np.empty((n, hidden), np.float32)
+    if kind in ("fp32", "bf16"):
+        _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x[0], y[0])
+        gate, up, down = raw_matrices(blob, kind, hidden, inter)
+        tokens = _tokens_fp32 if kind == "fp32" else _tokens_bf16
+        tokens(gate, up, x, h, GATE_UP)
+        tokens(down, down, h, y, SET)
+    else:
+        bits = 8 if kind == "int8" else 4
+        _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x[0], y[0])
+        qg, sg, qu, su, qd, sd = quant_matrices(blob, bits, hidden, inter)
+        tokens = _tokens_int8 if bits == 8 else _tokens_int4
+        tokens(qg, sg, qu, su, x, h, GATE_UP)
+        tokens(qd, sd, qd, sd, h, y, SET)
+    return y
 
 
 EXPERT_FORWARD = {
