@@ -32,10 +32,9 @@ def weight_bytes_per_token(engine: Engine) -> dict:
                 dense += value.nbytes
         mlp = layer.mlp
         for name, value in vars(mlp).items():
-            if name == "router_w":  # part of w_in
+            if name == "router_w":  # a view of w_in, or one of its parts
                 continue
-            if isinstance(value, (QuantMatrix, RowStack)) or (
-                    isinstance(value, np.ndarray) and value.ndim == 2 and value.base is None):
+            if isinstance(value, (QuantMatrix, RowStack)) or (isinstance(value, np.ndarray) and value.ndim == 2):
                 dense += value.nbytes
         if hasattr(mlp, "mlp"):  # dense MLP layer
             dense += sum(getattr(mlp.mlp, n).nbytes for n in ("gate", "up", "down"))

@@ -176,3 +176,24 @@ def test_cli_convert_dense_bits_and_inspect(tmp_path, capsys):
     assert json.loads((out / "tierlab_container.json").read_text())["dense_bits"] == 8
     assert cli_main(["inspect", str(out)]) == 0
     assert "projections int8" in capsys.readouterr().out
+
+
+def test_bytes_per_token_count_every_dense_matrix_once():
+    """bench decode's roofline divides by these bytes: every 2-D dense tensor of the checkpoint
+    (projections, router, shared expert), the DeltaNet convolutions (held as float32) and one
+    embedding row, each counted once (the router view of the fused matrix is not counted again)."""
+    from tierlab.engine.bench_decode import weight_bytes_per_token
+
+    source = _source_tensors()
+    engine = load_engine(MODEL, with_tokenizer=False)
+    expected = engine.embed.nbytes // engine.config.vocab_size
+    for name, t in source.items():
+        if ".mlp.experts." in name or name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            continue
+        if name.endswith("conv1d.weight"):
+            expected += t.size * 4
+        elif t.ndim == 2:
+            expected += t.nbytes
+    got = weight_bytes_per_token(engine)
+    assert got["dense"] == expected
+    assert got["lm_head"] == engine.lm_head.nbytes
