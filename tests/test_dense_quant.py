@@ -178,12 +178,16 @@ def test_cli_convert_dense_bits_and_inspect(tmp_path, capsys):
     assert "projections int8" in capsys.readouterr().out
 
 
-def test_bytes_per_token_count_every_dense_matrix_once():
+@pytest.mark.parametrize("huge_from", [0, None])
+def test_bytes_per_token_count_every_dense_matrix_once(huge_from, monkeypatch):
     """bench decode's roofline divides by these bytes: every 2-D dense tensor of the checkpoint
     (projections, router, shared expert), the DeltaNet convolutions (held as float32) and one
     embedding row, each counted once (the router view of the fused matrix is not counted again)."""
+    from tierlab.engine import hugepages
     from tierlab.engine.bench_decode import weight_bytes_per_token
 
+    if huge_from is not None:  # every weight on a mapping, as a real model's large ones are
+        monkeypatch.setattr(hugepages, "MIN_HUGE_BYTES", huge_from)
     source = _source_tensors()
     engine = load_engine(MODEL, with_tokenizer=False)
     expected = engine.embed.nbytes // engine.config.vocab_size
