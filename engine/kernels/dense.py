@@ -43,7 +43,8 @@ def widen(w: np.ndarray) -> np.ndarray:
 
 
 def linear(w, x: np.ndarray) -> np.ndarray:
-    """y = x @ w.T for one token (matvec kernel) or several (BLAS matmul)."""
+    """y = x @ w.T for one token (matvec kernels) or several (the row-widening matrix-matrix
+    kernels of qmatmat for bf16/int8/int4, BLAS for float32)."""
     if isinstance(w, QuantMatrix):
         return qlinear(w, x)
     if isinstance(w, RowStack):
