@@ -123,9 +123,17 @@ def _wide_vectors(typingctx):
 # stops at every 4 KiB page and needs a few misses to ramp up, leaves each
 # new row to start cold. From DRAM the int8/int4 kernels then ran at half
 # their cache-hot speed. Each parallel step therefore asks for the rows it
-# will work on next while it computes the current ones.
+# will work on next while it computes the current ones (fp32 and bf16: the
+# whole next rows at the start of a step). The int8/int4 loops instead prefetch
+# one line per group as they go, further ahead (below): a burst of a whole row's
+# lines at once fills the core's line-fill buffers and stalls its own loads.
 
 _PREFETCH_LINE = 64
+# The int8/int4 group loops prefetch as they go, one line per group and row, this
+# many bytes ahead (rounded up to whole steps): 1-thread int4 from DRAM 15 -> 17
+# Gweights/s on 1 KiB rows and 7-10 -> 12.6-13.3 on 256-byte rows, where one step
+# ahead is too close to hide DRAM latency (docs/benchmarks.md).
+_AHEAD_BYTES = 4096
 
 
 @intrinsic
@@ -239,9 +247,10 @@ def _nibbles_by_table(builder, q, g):
 
 def _pair_group_loop(context, builder, signature, args, bits):
     """Emit the loop over groups for two rows; returns the (float32, float32) tuple."""
-    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args)]
+    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
     qa, sa, qb, sb, x = (a.data for a in arrays[:5])
     xsum8 = arrays[5].data if bits == 4 else None
+    ahead = args[-1]
     n_groups = builder.extract_value(arrays[1].shape, 0)
     zero_v, zero_f = ir.Constant(_V16F, [0.0] * 16), ir.Constant(_F32, 0.0)
 
@@ -259,6 +268,14 @@ def _pair_group_loop(context, builder, signature, args, bits):
         phi.add_incoming(init, entry)
 
     x0 = builder.mul(g, ir.Constant(_I64, GROUP))
+    # prefetch, group by group, the same place `ahead` bytes on (in the rows a later step reads)
+    group_bytes = ir.Constant(_I64, GROUP * bits // 8)
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+    for q in (qa, qb):
+        at = builder.add(builder.mul(g, group_bytes), ahead)
+        ptr = builder.gep(builder.bitcast(q, _I8.as_pointer()), [at])
+        builder.call(prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
     x_pieces = [_load_vec(builder, x, builder.add(x0, ir.Constant(_I64, 16 * k)), _V16F, 4) for k in range(4)]
     new_accs, new_offs = [], []
     for q, s, acc, off in ((qa, sa, accs[0], offs[0]), (qb, sb, accs[1], offs[1])):
@@ -302,22 +319,24 @@ def _pair_group_loop(context, builder, signature, args, bits):
 
 
 @intrinsic
-def _int4_pair_dot(typingctx, qa, sa, qb, sb, x, xsum8):
-    """(row_a . x, row_b . x) for planar-nibble int4 rows (uint8 views) and their scales."""
+def _int4_pair_dot(typingctx, qa, sa, qb, sb, x, xsum8, ahead):
+    """(row_a . x, row_b . x) for planar-nibble int4 rows (uint8 views) and their scales;
+    `ahead`: bytes from each row to the row the next step reads (prefetched as we go)."""
     if not (_row_view_ok(qa, types.uint8) and _row_view_ok(qb, types.uint8)
-            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x, xsum8))):
+            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x, xsum8))
+            and isinstance(ahead, types.Integer)):
         return None
-    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x, xsum8)
+    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x, xsum8, types.int64)
     return sig, lambda context, builder, signature, args: _pair_group_loop(context, builder, signature, args, 4)
 
 
 @intrinsic
-def _int8_pair_dot(typingctx, qa, sa, qb, sb, x):
-    """(row_a . x, row_b . x) for int8 rows and their scales."""
+def _int8_pair_dot(typingctx, qa, sa, qb, sb, x, ahead):
+    """(row_a . x, row_b . x) for int8 rows and their scales; `ahead` as for int4."""
     if not (_row_view_ok(qa, types.int8) and _row_view_ok(qb, types.int8)
-            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x))):
+            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x)) and isinstance(ahead, types.Integer)):
         return None
-    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x)
+    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x, types.int64)
     return sig, lambda context, builder, signature, args: _pair_group_loop(context, builder, signature, args, 8)
 
 
@@ -383,9 +402,19 @@ def _dot_int8(q, s, r, x):
 
 
 @njit(**_SERIAL)
+def _ahead_bytes(q, ra, rb):
+    """How far ahead the int8/int4 group loops prefetch: the same place in the rows of the
+    step at least _AHEAD_BYTES of this row's matrix later (a step takes rows 2p, 2p+1 of one
+    matrix, or row p of two matrices when ra == rb)."""
+    row = np.int64(q.strides[0])
+    steps = max(np.int64(1), (np.int64(_AHEAD_BYTES) + row - 1) // row)
+    return row * steps * (1 if ra == rb else 2)
+
+
+@njit(**_SERIAL)
 def _dot2_int8(qa, sa, ra, qb, sb, rb, x):
     _wide_vectors()
-    return _int8_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x)
+    return _int8_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x, _ahead_bytes(qa, ra, rb))
 
 
 @njit(**_SERIAL)
@@ -413,7 +442,7 @@ def _dot_int4(q, s, r, x, xsum8):
 def _dot2_int4(qa, sa, ra, qb, sb, rb, x, xsum8):
     """Two int4 rows against one x (see _dot_int4 for the folded -8)."""
     _wide_vectors()
-    return _int4_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x, xsum8)
+    return _int4_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x, xsum8, _ahead_bytes(qa, ra, rb))
 
 
 @njit(**_SERIAL)
@@ -454,10 +483,10 @@ def _pair_rows(mode, p):
 
 @njit(**_SERIAL)
 def _prefetch_next(mode, a, b, p):
-    """Prefetch the rows of step p + 1 (see _prefetch_row).
+    """Prefetch the rows of step p + 1 (see _prefetch_row); fp32 and bf16 passes.
 
-    One step ahead measured best (int8 ~1.4x, bf16 ~1.2x from DRAM; int4,
-    which is compute-bound, unchanged); two and four steps were no better.
+    One step ahead measured best for bf16 (~1.2x from DRAM); two and four
+    steps were no better.
     """
     i = np.int64(p) + 1
     if mode == GATE_UP:
@@ -529,7 +558,6 @@ def _pass_int8(qa, sa, qb, sb, x, out, mode, w):
     _wide_vectors()
     wf = np.float32(w)
     for p in prange(_steps(mode, qa.shape[0])):
-        _prefetch_next(mode, qa, qb, p)
         ra, rb = _pair_rows(mode, p)
         va, vb = _dot2_int8(qa, sa, ra, qb, sb, rb, x)
         _store(mode, out, ra, va, rb, vb, wf)
@@ -545,7 +573,6 @@ def _pass_int4(qa, sa, qb, sb, x, out, mode, w):
     wf = np.float32(w)
     xsum8 = _group_sums8(x)
     for p in prange(_steps(mode, qa.shape[0])):
-        _prefetch_next(mode, qa, qb, p)
         ra, rb = _pair_rows(mode, p)
         va, vb = _dot2_int4(qa, sa, ra, qb, sb, rb, x, xsum8)
         _store(mode, out, ra, va, rb, vb, wf)
@@ -596,7 +623,6 @@ def _tokens_bf16(a, b, x, out, mode):
 def _tokens_int8(qa, sa, qb, sb, x, out, mode):
     _wide_vectors()
     for p in prange(_steps(mode, qa.shape[0])):
-        _prefetch_next(mode, qa, qb, p)
         ra, rb = _pair_rows(mode, p)
         for t in range(x.shape[0]):
             va, vb = _dot2_int8(qa, sa, ra, qb, sb, rb, x[t])
@@ -614,7 +640,6 @@ def _tokens_int4(qa, sa, qb, sb, x, out, mode):
     for t in range(x.shape[0]):
         xsum8[t] = _group_sums8(x[t])
     for p in prange(_steps(mode, qa.shape[0])):
-        _prefetch_next(mode, qa, qb, p)
         ra, rb = _pair_rows(mode, p)
         for t in range(x.shape[0]):
             va, vb = _dot2_int4(qa, sa, ra, qb, sb, rb, x[t], xsum8[t])
