@@ -13,8 +13,6 @@ from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD, expert_forward_tokens
 def _weights(kind: str, rows: int, cols: int, rng) -> tuple[tuple, np.ndarray]:
     """(kernel operands, the float64 matrix they stand for)."""
     w = rng.standard_normal((rows, cols)).astype(np.float32)
-    if kind == "fp32":
-        return (w,), w.astype(np.float64)
     if kind == "bf16":
         bits = (w.view(np.uint32) >> 16).astype(np.uint16)
         return (bits,), (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
@@ -24,7 +22,7 @@ def _weights(kind: str, rows: int, cols: int, rng) -> tuple[tuple, np.ndarray]:
     return (packed if nbits == 4 else packed.view(np.int8), s), Q.dequantize(q, s)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, 2, 7])
 def test_matmat_matches_float64(kind, tokens):
     rng = np.random.default_rng(tokens)

@@ -103,17 +103,6 @@ def _widen_int4(q, s, r, row):
 
 
 @njit(**dict(_OPTS, parallel=True))
-def matmat_fp32(w, x, out):
-    """out[t, r] = w[r, :] . x[t, :] for a float32 w [rows, cols] (own loop, not BLAS: a
-    token's result must not depend on how many tokens share the call)."""
-    rows = w.shape[0]
-    for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
-            n = min(4, rows - r0)
-            _store_rows(w[r0:r0 + n], r0, n, x, out)
-
-
-@njit(**dict(_OPTS, parallel=True))
 def matmat_bf16(w, x, out):
     """out[t, r] = w[r, :] . x[t, :] for a bf16 (uint16) w [rows, cols]."""
     rows, cols = w.shape
@@ -155,13 +144,14 @@ def matmat_int4(q, s, x, out):
 
 
 def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
-    """x [T, cols] times the matrix in `parts` (fp32: (w,), bf16: (w,), int8/int4: (q, scales)) -> [T, rows]."""
+    """x [T, cols] times the matrix in `parts` (bf16: (w,), int8/int4: (q, scales)) -> [T, rows].
+
+    (float32 matrices go to BLAS, which is faster for them.)
+    """
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = parts[0].shape[0]
     out = np.empty((x.shape[0], rows), dtype=np.float32)
-    if kind == "fp32":
-        matmat_fp32(parts[0], x, out)
-    elif kind == "bf16":
+    if kind == "bf16":
         matmat_bf16(parts[0], x, out)
     elif kind == "int8":
         matmat_int8(parts[0], parts[1], x, out)
