@@ -45,6 +45,19 @@ def weight_bytes_per_token(engine: Engine) -> dict:
             "total": int(dense + row + experts + lm_head)}
 
 
+def dense_kind(engine: Engine) -> str:
+    """How the dense projections are stored: int8/int4 (a --dense-bits container), bf16 or fp32."""
+    for layer in engine.layers:
+        for value in list(vars(layer.mixer).values()) + list(vars(layer.mlp).values()):
+            if isinstance(value, RowStack):
+                value = next((p for p in value.parts if isinstance(p, QuantMatrix)), value.parts[0])
+            if isinstance(value, QuantMatrix):
+                return value.kind
+            if isinstance(value, np.ndarray) and value.ndim == 2 and value.dtype in (np.uint16, np.float32):
+                return "bf16" if value.dtype == np.uint16 else "fp32"
+    return "?"
+
+
 def drop_page_cache() -> bool:
     """Ask the kernel to drop clean page-cache pages (root only); False if not permitted."""
     try:
@@ -74,6 +87,7 @@ class DecodeReport:
     roofline_tok_s: float = 0.0
     peak_rss_mb: float = 0.0
     cold: bool = False
+    dense_kind: str = ""
 
     def to_json(self) -> dict:
         return dict(vars(self))
@@ -113,6 +127,7 @@ def run_decode_bench(engine: Engine, prompt_tokens: int = 32, decode_tokens: int
         disk_mb_per_token=misses * engine.cache.source.blob_nbytes / decode_tokens / 2**20,
         weight_bytes=wb, bandwidth_gbs=bandwidth_gbs, roofline_tok_s=bandwidth_gbs * 1e9 / wb["total"],
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, cold=dropped,
+        dense_kind=dense_kind(engine),
     )
 
 
@@ -120,7 +135,7 @@ def format_decode_report(r: DecodeReport) -> str:
     ms = r.ms_per_token
     share = r.decode_tok_s / r.roofline_tok_s if r.roofline_tok_s else 0.0
     lines = [
-        f"model {r.model} ({r.kind} experts), cache {r.cache_slots}/{r.n_experts} slots per layer"
+        f"model {r.model} ({r.kind} experts, {r.dense_kind} dense), cache {r.cache_slots}/{r.n_experts} slots per layer"
         + (" , page cache dropped" if r.cold else ""),
         f"prefill {r.prefill_tok_s:.1f} tok/s ({r.prompt_tokens} tokens) | decode {r.decode_tok_s:.2f} tok/s "
         f"({r.decode_tokens} tokens)",

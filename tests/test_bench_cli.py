@@ -7,6 +7,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 KINDS = ("fp32", "bf16", "int8", "int4")
 
 
@@ -29,3 +31,26 @@ def test_bench_kernels_quick_json():
 def test_bench_without_a_benchmark_prints_help():
     proc = subprocess.run([sys.executable, "-m", "tierlab", "bench"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "kernels" in proc.stdout
+
+
+def test_bench_decode_json_on_a_dense_quantised_container(tmp_path):
+    """`tierlab bench decode` runs end to end and its numbers add up (speed itself is not asserted)."""
+    from tierlab import ASSETS_DIR
+
+    out = tmp_path / "c"
+    conv = subprocess.run(
+        [sys.executable, "-m", "tierlab", "convert", "--model", str(ASSETS_DIR / "tiny-moe-8x2"), "--out", str(out),
+         "--bits", "4", "--dense-bits", "4"], capture_output=True, text=True, timeout=240)
+    assert conv.returncode == 0, conv.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierlab", "bench", "decode", "--model", str(out), "--tokens", "4",
+         "--prompt-tokens", "6", "--cache", "4", "--json"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert (r["kind"], r["dense_kind"], r["cache_slots"], r["n_experts"]) == ("int4", "int4", 4, 8)
+    assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["bandwidth_gbs"] > 0
+    wb = r["weight_bytes"]
+    assert wb["total"] == wb["dense"] + wb["experts"] + wb["lm_head"] > 0
+    assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_gbs"] * 1e9 / wb["total"])
+    assert 0.0 <= r["ram_hit"] <= 100.0 and r["disk_mb_per_token"] >= 0  # percent
+    assert set(r["ms_per_token"]) >= {"attention", "deltanet", "router", "fetch", "compute", "lm_head"}
