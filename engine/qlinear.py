@@ -27,6 +27,7 @@ from tierlab.engine.kernels import qmatvec
 from tierlab.engine.kernels.qmatmat import matmat
 from tierlab.engine.quant import GROUP, pack_weights, quantize_fast
 
+
 @dataclass(frozen=True)
 class QuantMatrix:
     """A [rows, cols] weight matrix stored as int8 or planar-nibble int4 with group scales."""
