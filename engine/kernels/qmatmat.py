@@ -17,7 +17,8 @@ matvecs of `qmatvec` (which scale each group's sum, not each weight).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from tierlab.engine.kernels.qmatvec import GROUP, _bf16_f32, _hi_nibble_f32, _i8_f32, _lo_nibble_f32, _wide_vectors
 
@@ -115,9 +116,21 @@ def matmat_bf16(w, x, out):
             _store_rows(scratch, r0, n, x, out)
 
 
+def _widen_quant(q, s, r, row):
+    """_widen_int8 (int8 q) or _widen_int4 (uint8 planar nibbles), chosen when numba compiles."""
+
+
+@overload(_widen_quant)
+def _widen_quant_impl(q, s, r, row):
+    if q.dtype == types.int8:
+        return lambda q, s, r, row: _widen_int8(q, s, r, row)
+    return lambda q, s, r, row: _widen_int4(q, s, r, row)
+
+
 @njit(**dict(_OPTS, parallel=True))
-def matmat_int8(q, s, x, out):
-    """out[t, r] = dequant(q, s)[r, :] . x[t, :] for int8 q [rows, cols], scales [rows, cols/64]."""
+def matmat_quant(q, s, x, out):
+    """out[t, r] = dequant(q, s)[r, :] . x[t, :] for int8 q [rows, cols] or planar-nibble
+    int4 q (uint8 [rows, cols/2]), scales [rows, cols/64]."""
     rows = q.shape[0]
     cols = s.shape[1] * GROUP
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
@@ -125,21 +138,7 @@ def matmat_int8(q, s, x, out):
         for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
             n = min(4, rows - r0)
             for k in range(n):
-                _widen_int8(q, s, r0 + k, scratch[k])
-            _store_rows(scratch, r0, n, x, out)
-
-
-@njit(**dict(_OPTS, parallel=True))
-def matmat_int4(q, s, x, out):
-    """out[t, r] = dequant(q, s)[r, :] . x[t, :] for planar-nibble int4 q [rows, cols/2]."""
-    rows = q.shape[0]
-    cols = s.shape[1] * GROUP
-    for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        scratch = np.empty((4, cols), dtype=np.float32)
-        for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
-            n = min(4, rows - r0)
-            for k in range(n):
-                _widen_int4(q, s, r0 + k, scratch[k])
+                _widen_quant(q, s, r0 + k, scratch[k])
             _store_rows(scratch, r0, n, x, out)
 
 
@@ -153,10 +152,8 @@ def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], rows), dtype=np.float32)
     if kind == "bf16":
         matmat_bf16(parts[0], x, out)
-    elif kind == "int8":
-        matmat_int8(parts[0], parts[1], x, out)
-    elif kind == "int4":
-        matmat_int4(parts[0], parts[1], x, out)
+    elif kind in ("int8", "int4"):
+        matmat_quant(parts[0], parts[1], x, out)
     else:
         raise ValueError(f"unknown weight kind {kind!r}")
     return out

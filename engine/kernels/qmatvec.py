@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
 
 GROUP = 64
 
@@ -589,34 +589,42 @@ def _pass_int4(qa, sa, qb, sb, x, out, mode, w):
 # and GATE_UP (out and x are [T, n]).
 
 
+def _dot_raw(w, r, x):
+    """_dot_fp32 or _dot_bf16, chosen by w's dtype when numba compiles the caller."""
+
+
+def _dot2_raw(a, ra, b, rb, x):
+    """_dot2_fp32 or _dot2_bf16, chosen by a's dtype when numba compiles the caller."""
+
+
+@overload(_dot_raw)
+def _dot_raw_impl(w, r, x):
+    if w.dtype == types.float32:
+        return lambda w, r, x: _dot_fp32(w, r, x)
+    return lambda w, r, x: _dot_bf16(w, r, x)
+
+
+@overload(_dot2_raw)
+def _dot2_raw_impl(a, ra, b, rb, x):
+    if a.dtype == types.float32:
+        return lambda a, ra, b, rb, x: _dot2_fp32(a, ra, b, rb, x)
+    return lambda a, ra, b, rb, x: _dot2_bf16(a, ra, b, rb, x)
+
+
 @njit(**_PARALLEL)
-def _tokens_fp32(a, b, x, out, mode):
+def _tokens_raw(a, b, x, out, mode):
+    """fp32 (float32) or bf16 (uint16) weights."""
     _wide_vectors()
     for p in prange(_steps(mode, a.shape[0])):
         _prefetch_next(mode, a, b, p)
         ra, rb = _pair_rows(mode, p)
         for t in range(x.shape[0]):
-            va, vb = _dot2_fp32(a, ra, b, rb, x[t])
+            va, vb = _dot2_raw(a, ra, b, rb, x[t])
             _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
     if mode != GATE_UP and a.shape[0] % 2:
         r = a.shape[0] - 1
         for t in range(x.shape[0]):
-            out[t, r] = _dot_fp32(a, r, x[t])
-
-
-@njit(**_PARALLEL)
-def _tokens_bf16(a, b, x, out, mode):
-    _wide_vectors()
-    for p in prange(_steps(mode, a.shape[0])):
-        _prefetch_next(mode, a, b, p)
-        ra, rb = _pair_rows(mode, p)
-        for t in range(x.shape[0]):
-            va, vb = _dot2_bf16(a, ra, b, rb, x[t])
-            _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
-    if mode != GATE_UP and a.shape[0] % 2:
-        r = a.shape[0] - 1
-        for t in range(x.shape[0]):
-            out[t, r] = _dot_bf16(a, r, x[t])
+            out[t, r] = _dot_raw(a, r, x[t])
 
 
 @njit(**_PARALLEL)
@@ -775,9 +783,8 @@ def expert_forward_tokens(kind: str, blob: np.ndarray, hidden: int, inter: int, 
     if kind in ("fp32", "bf16"):
         _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x[0], y[0])
         gate, up, down = raw_matrices(blob, kind, hidden, inter)
-        tokens = _tokens_fp32 if kind == "fp32" else _tokens_bf16
-        tokens(gate, up, x, h, GATE_UP)
-        tokens(down, down, h, y, SET)
+        _tokens_raw(gate, up, x, h, GATE_UP)
+        _tokens_raw(down, down, h, y, SET)
     else:
         bits = 8 if kind == "int8" else 4
         _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x[0], y[0])
