@@ -346,45 +346,37 @@ def _int8_pair_dot(typingctx, qa, sa, qb, sb, x, ahead):
 # the two rows may come from different matrices (gate row i with up row i).
 
 
+def _as_f32(v):
+    """A weight as float32: itself (fp32), or its bf16 bits widened (uint16)."""
+
+
+@overload(_as_f32)
+def _as_f32_impl(v):
+    if v == types.float32:
+        return lambda v: v
+    return lambda v: _bf16_f32(v)
+
+
 @njit(**_SERIAL)
-def _dot_fp32(w, r, x):
+def _dot_raw(w, r, x):
+    """Row r of an fp32 or bf16 matrix dotted with x."""
     _wide_vectors()
     acc = np.float32(0.0)
     for c in range(x.shape[0]):
-        acc += w[r, c] * x[c]
+        acc += _as_f32(w[r, c]) * x[c]
     return acc
 
 
 @njit(**_SERIAL)
-def _dot2_fp32(a, ra, b, rb, x):
+def _dot2_raw(a, ra, b, rb, x):
+    """Two fp32 or bf16 rows against one x."""
     _wide_vectors()
     sa = np.float32(0.0)
     sb = np.float32(0.0)
     for c in range(x.shape[0]):
         xc = x[c]
-        sa += a[ra, c] * xc
-        sb += b[rb, c] * xc
-    return sa, sb
-
-
-@njit(**_SERIAL)
-def _dot_bf16(w, r, x):
-    _wide_vectors()
-    acc = np.float32(0.0)
-    for c in range(x.shape[0]):
-        acc += _bf16_f32(w[r, c]) * x[c]
-    return acc
-
-
-@njit(**_SERIAL)
-def _dot2_bf16(a, ra, b, rb, x):
-    _wide_vectors()
-    sa = np.float32(0.0)
-    sb = np.float32(0.0)
-    for c in range(x.shape[0]):
-        xc = x[c]
-        sa += _bf16_f32(a[ra, c]) * xc
-        sb += _bf16_f32(b[rb, c]) * xc
+        sa += _as_f32(a[ra, c]) * xc
+        sb += _as_f32(b[rb, c]) * xc
     return sa, sb
 
 
@@ -524,32 +516,18 @@ def _steps(mode, rows):
 
 
 @njit(**_PARALLEL)
-def _pass_fp32(a, b, x, out, mode, w):
+def _pass_raw(a, b, x, out, mode, w):
+    """fp32 (float32) or bf16 (uint16) weights."""
     _wide_vectors()
     wf = np.float32(w)
     for p in prange(_steps(mode, a.shape[0])):
         _prefetch_next(mode, a, b, p)
         ra, rb = _pair_rows(mode, p)
-        va, vb = _dot2_fp32(a, ra, b, rb, x)
+        va, vb = _dot2_raw(a, ra, b, rb, x)
         _store(mode, out, ra, va, rb, vb, wf)
     if mode != GATE_UP and a.shape[0] % 2:
         r = a.shape[0] - 1
-        v = _dot_fp32(a, r, x)
-        _store_last(mode, out, r, v, wf)
-
-
-@njit(**_PARALLEL)
-def _pass_bf16(a, b, x, out, mode, w):
-    _wide_vectors()
-    wf = np.float32(w)
-    for p in prange(_steps(mode, a.shape[0])):
-        _prefetch_next(mode, a, b, p)
-        ra, rb = _pair_rows(mode, p)
-        va, vb = _dot2_bf16(a, ra, b, rb, x)
-        _store(mode, out, ra, va, rb, vb, wf)
-    if mode != GATE_UP and a.shape[0] % 2:
-        r = a.shape[0] - 1
-        v = _dot_bf16(a, r, x)
+        v = _dot_raw(a, r, x)
         _store_last(mode, out, r, v, wf)
 
 
@@ -587,28 +565,6 @@ def _pass_int4(qa, sa, qb, sb, x, out, mode, w):
 # dotted with every token by the very dot functions above, so each token gets
 # what the one-token pass gives it, whichever tokens share the call. Modes SET
 # and GATE_UP (out and x are [T, n]).
-
-
-def _dot_raw(w, r, x):
-    """_dot_fp32 or _dot_bf16, chosen by w's dtype when numba compiles the caller."""
-
-
-def _dot2_raw(a, ra, b, rb, x):
-    """_dot2_fp32 or _dot2_bf16, chosen by a's dtype when numba compiles the caller."""
-
-
-@overload(_dot_raw)
-def _dot_raw_impl(w, r, x):
-    if w.dtype == types.float32:
-        return lambda w, r, x: _dot_fp32(w, r, x)
-    return lambda w, r, x: _dot_bf16(w, r, x)
-
-
-@overload(_dot2_raw)
-def _dot2_raw_impl(a, ra, b, rb, x):
-    if a.dtype == types.float32:
-        return lambda a, ra, b, rb, x: _dot2_fp32(a, ra, b, rb, x)
-    return lambda a, ra, b, rb, x: _dot2_bf16(a, ra, b, rb, x)
 
 
 @njit(**_PARALLEL)
@@ -684,13 +640,13 @@ def _check_expert(blob: np.ndarray, nbytes: int, hidden: int, x: np.ndarray, y: 
 def matvec_fp32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for float32 w [rows, cols] (C-contiguous)."""
     _check_matvec(w.shape[0], w.shape[1], x, out)
-    _pass_fp32(w, w, _f32(x), out, SET, 1.0)
+    _pass_raw(w, w, _f32(x), out, SET, 1.0)
 
 
 def matvec_bf16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for bf16 w stored as uint16 [rows, cols]."""
     _check_matvec(w.shape[0], w.shape[1], x, out)
-    _pass_bf16(w, w, _f32(x), out, SET, 1.0)
+    _pass_raw(w, w, _f32(x), out, SET, 1.0)
 
 
 def matvec_int8(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
@@ -736,8 +692,8 @@ def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
     _check_expert(blob, raw_blob_nbytes("fp32", hidden, inter), hidden, x, y)
     gate, up, down = raw_matrices(blob, "fp32", hidden, inter)
     h = np.empty(inter, np.float32)
-    _pass_fp32(gate, up, _f32(x), h, GATE_UP, 1.0)
-    _pass_fp32(down, down, h, y, ADD, float(w))
+    _pass_raw(gate, up, _f32(x), h, GATE_UP, 1.0)
+    _pass_raw(down, down, h, y, ADD, float(w))
 
 
 def expert_forward_bf16(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
@@ -745,8 +701,8 @@ def expert_forward_bf16(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray
     _check_expert(blob, raw_blob_nbytes("bf16", hidden, inter), hidden, x, y)
     gate, up, down = raw_matrices(blob, "bf16", hidden, inter)
     h = np.empty(inter, np.float32)
-    _pass_bf16(gate, up, _f32(x), h, GATE_UP, 1.0)
-    _pass_bf16(down, down, h, y, ADD, float(w))
+    _pass_raw(gate, up, _f32(x), h, GATE_UP, 1.0)
+    _pass_raw(down, down, h, y, ADD, float(w))
 
 
 def expert_forward_int8(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
