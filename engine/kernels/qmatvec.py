@@ -687,40 +687,43 @@ def quant_matrices(blob: np.ndarray, bits: int, hidden: int, inter: int) -> tupl
     )
 
 
-def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
-    """y += w * down(silu(gate x) * (up x)) for a raw float32 blob [gate | up | down]."""
-    _check_expert(blob, raw_blob_nbytes("fp32", hidden, inter), hidden, x, y)
-    gate, up, down = raw_matrices(blob, "fp32", hidden, inter)
+def _expert_forward_raw(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray,
+                        w: float) -> None:
+    _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x, y)
+    gate, up, down = raw_matrices(blob, kind, hidden, inter)
     h = np.empty(inter, np.float32)
     _pass_raw(gate, up, _f32(x), h, GATE_UP, 1.0)
     _pass_raw(down, down, h, y, ADD, float(w))
+
+
+def _expert_forward_quant(bits: int, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray,
+                          w: float) -> None:
+    _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x, y)
+    qg, sg, qu, su, qd, sd = quant_matrices(blob, bits, hidden, inter)
+    h = np.empty(inter, np.float32)
+    passes = _pass_int8 if bits == 8 else _pass_int4
+    passes(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
+    passes(qd, sd, qd, sd, h, y, ADD, float(w))
+
+
+def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
+    """y += w * down(silu(gate x) * (up x)) for a raw float32 blob [gate | up | down]."""
+    _expert_forward_raw("fp32", blob, hidden, inter, x, y, w)
 
 
 def expert_forward_bf16(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for a raw bf16 (uint16) blob [gate | up | down]."""
-    _check_expert(blob, raw_blob_nbytes("bf16", hidden, inter), hidden, x, y)
-    gate, up, down = raw_matrices(blob, "bf16", hidden, inter)
-    h = np.empty(inter, np.float32)
-    _pass_raw(gate, up, _f32(x), h, GATE_UP, 1.0)
-    _pass_raw(down, down, h, y, ADD, float(w))
+    _expert_forward_raw("bf16", blob, hidden, inter, x, y, w)
 
 
 def expert_forward_int8(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for an int8 container blob."""
-    _check_expert(blob, quant_blob_nbytes(8, hidden, inter), hidden, x, y)
-    qg, sg, qu, su, qd, sd = quant_matrices(blob, 8, hidden, inter)
-    h = np.empty(inter, np.float32)
-    _pass_int8(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
-    _pass_int8(qd, sd, qd, sd, h, y, ADD, float(w))
+    _expert_forward_quant(8, blob, hidden, inter, x, y, w)
 
 
 def expert_forward_int4(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for an int4 container blob."""
-    _check_expert(blob, quant_blob_nbytes(4, hidden, inter), hidden, x, y)
-    qg, sg, qu, su, qd, sd = quant_matrices(blob, 4, hidden, inter)
-    h = np.empty(inter, np.float32)
-    _pass_int4(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
-    _pass_int4(qd, sd, qd, sd, h, y, ADD, float(w))
+    _expert_forward_quant(4, blob, hidden, inter, x, y, w)
 
 
 def expert_forward_tokens(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
