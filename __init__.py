@@ -3,12 +3,13 @@
 import os
 from pathlib import Path
 
-# A spinning OpenMP worker on a 2-core machine steals the core its partner needs:
-# numba's parallel kernels must wait passively. This must be set before numba
-# starts its thread pool, so it is set when the package is imported.
+# numba's parallel kernels run on OpenMP. A spinning worker on a shared 2-core
+# machine steals the core its partner needs (a 100-microsecond kernel took
+# 8 ms), so workers wait passively; but waking a sleeping worker costs ~18 us
+# per launch, a third of an int4 expert matvec, so they spin 1000 rounds
+# first (~40 us of CPU after each kernel; back-to-back launches ~3.5 us).
+# Both must be set before numba starts its pool, so they are set on import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# ... but waking a sleeping worker costs ~18 us per kernel launch: spin briefly
-# first (see engine/kernels/qmatvec.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 __version__ = "0.1.0"

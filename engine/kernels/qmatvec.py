@@ -29,21 +29,14 @@ from __future__ import annotations
 
 import os
 
-# A spinning OpenMP worker on a shared 2-core machine steals the core the
-# other worker needs, and a 100-microsecond kernel can take 8 ms. Passive
-# waiting alone costs ~18 us to wake the worker at every launch, a third of
-# an int4 expert matvec; a short spin (1000 rounds, ~40 us of CPU after each
-# kernel) bridges the gaps between back-to-back kernels (launch ~3.5 us)
-# and still sleeps when the engine is idle. Must be set before numba starts
-# its OpenMP pool (first parallel call), so it is set at import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# OpenMP wait policy (passive, with a short spin): set in tierlab/__init__.py,
+# which runs before this module is imported, i.e. before numba's pool starts.
 
-import numpy as np  # noqa: E402
-from llvmlite import ir  # noqa: E402
-from numba import njit, prange, types  # noqa: E402
-from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic, overload  # noqa: E402
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 GROUP = 64
 
