@@ -20,11 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
-
 from tierlab.engine import hugepages
 from tierlab.engine.kernels import qmatvec
-from tierlab.engine.kernels.qmatmat import matmat
+from tierlab.engine.kernels.qmatmat import dequantize_rows, matmat
 from tierlab.engine.quant import GROUP, pack_weights, quantize_fast
 
 
@@ -51,7 +49,7 @@ class QuantMatrix:
     def dequantize(self) -> np.ndarray:
         """The float32 matrix the kernels multiply with (q * scale, exactly)."""
         out = np.empty(self.shape, dtype=np.float32)
-        _DEQUANT[self.bits](self.q, self.scales, out)
+        dequantize_rows(self.q, self.scales, out)
         return out
 
 
@@ -114,30 +112,3 @@ class RowStack:
     def first_rows(self, n: int):
         """The first n rows, when they are exactly the first part (the router)."""
         return self.parts[0] if self.parts[0].shape[0] == n else None
-
-
-# --- dequantisation kernels -------------------------------------------------------------------
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _dequant_int8(q, s, out):
-    for r in prange(q.shape[0]):
-        for g in range(s.shape[1]):
-            scale = s[r, g]
-            for j in range(GROUP):
-                out[r, g * GROUP + j] = np.float32(q[r, g * GROUP + j]) * scale
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _dequant_int4(q, s, out):
-    half = GROUP // 2
-    for r in prange(q.shape[0]):
-        for g in range(s.shape[1]):
-            scale = s[r, g]
-            for j in range(half):
-                b = q[r, g * half + j]
-                out[r, g * GROUP + j] = np.float32(np.int32(b & 15) - 8) * scale
-                out[r, g * GROUP + half + j] = np.float32(np.int32(b >> 4) - 8) * scale
-
-
-_DEQUANT = {8: _dequant_int8, 4: _dequant_int4}

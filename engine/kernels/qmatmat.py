@@ -128,6 +128,13 @@ def _widen_quant_impl(q, s, r, row):
 
 
 @njit(**dict(_OPTS, parallel=True))
+def dequantize_rows(q, s, out):
+    """out [rows, cols] = the float32 weights q * scale of an int8 or int4 matrix (exact products)."""
+    for r in prange(q.shape[0]):
+        _widen_quant(q, s, r, out[r])
+
+
+@njit(**dict(_OPTS, parallel=True))
 def matmat_quant(q, s, x, out):
     """out[t, r] = dequant(q, s)[r, :] . x[t, :] for int8 q [rows, cols] or planar-nibble
     int4 q (uint8 [rows, cols/2]), scales [rows, cols/64]."""
