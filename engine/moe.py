@@ -147,7 +147,7 @@ class MoEBlock:
     def _can_group(self, ctx) -> bool:
         """A prompt's experts may be computed per expert when no expert can be evicted mid-prompt
         (every expert has a RAM slot) and no GPU tier takes a share of them."""
-        return ctx.tier is None and ctx.cache.slots >= self.cfg.n_experts >= self.cfg.top_k
+        return ctx.tier is None and ctx.cache.slots >= self.cfg.n_experts
 
     def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[TokenRoute]:
         """A prompt's experts, each read once for all the tokens routed to it.
