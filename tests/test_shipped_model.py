@@ -12,11 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tierlab.engine.belady import lru_hits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -91,21 +92,6 @@ def test_ref_reproduces_greedy(shipped):
     assert out[0].tolist() == full
 
 
-def _lru_hit_rate(top: np.ndarray, capacity: int) -> float:
-    cache: OrderedDict = OrderedDict()
-    hits = 0
-    for row in top:
-        for e in row.tolist():
-            if e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                cache[e] = True
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits / top.size
-
-
 def test_routing_is_concentrated_and_cacheable(shipped):
     experts, k, _ = MODELS[shipped["name"]]
     entropies, hits = [], []
@@ -115,7 +101,7 @@ def test_routing_is_concentrated_and_cacheable(shipped):
         p /= p.sum(1, keepdims=True)
         entropies.append(float((-(p * np.log(p + 1e-30)).sum(1)).mean()))
         top = np.argsort(-z, axis=1, kind="stable")[:, :k]
-        hits.append(_lru_hit_rate(top, experts // 2))
+        hits.append(lru_hits(top, experts // 2).hit_rate)
     assert np.mean(entropies) < 0.9 * math.log(experts), entropies
     assert np.mean(hits) > 0.6, hits
 
