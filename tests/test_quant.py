@@ -130,6 +130,31 @@ def test_int4_matvec_odd_inputs(rng):
     assert out[3] == 0.0
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_integer_matvec_at_the_extremes_of_weights_and_x(rng, bits):
+    """Where the integer sums are largest (every weight at its extreme, every x at its
+    group's largest magnitude), x spanning 1e-30..1e4 within a group, and x so small
+    (subnormal) that the integer path counts it as zero (groups with all |x| < 2.4e-32)."""
+    rows, cols = 6, 192  # three groups: int4 ends on a half block
+    qmax, qmin = Q.QMAX[bits], Q.QMIN[bits]
+    q = np.empty((rows, cols), np.int8)
+    q[0], q[1], q[2] = qmax, qmin, np.where(np.arange(cols) % 2, qmax, qmin)
+    q[3:] = rng.integers(qmin, qmax + 1, size=(3, cols))
+    s = rng.uniform(0.5, 2.0, size=(rows, cols // 64)).astype(np.float32)
+    xs = [np.full(cols, 3.0, np.float32), np.full(cols, -3.0, np.float32),
+          np.where(np.arange(cols) % 2, 1e4, -1e-30).astype(np.float32),
+          np.full(cols, 1e-40, np.float32)]
+    for x in xs:
+        ref = Q.dequantize(q, s) @ x.astype(np.float64)
+        out = np.full(rows, np.nan, dtype=np.float32)
+        if bits == 4:
+            K.matvec_int4(Q.pack_int4(q), s, x, out)
+        else:
+            K.matvec_int8(q, s, x, out)
+        counted_as_zero = np.abs(Q.dequantize(q, s)).sum(axis=1) * 2.4e-32
+        np.testing.assert_array_less(np.abs(out - ref), 1e-5 * np.abs(ref).max() + counted_as_zero)
+
+
 # --- fused experts --------------------------------------------------------------------------
 
 
@@ -247,10 +272,10 @@ def test_kernels_can_run_from_two_threads_at_once(rng):
         _close(got, ref)
 
 
-def test_int4_convert_path_matches_float64_when_the_table_path_is_off(tmp_path):
-    """Both int4 widening paths are exact: the AVX-512 table lookup (the default on such
-    hosts) and the zero-extend-and-convert path other CPUs use, forced here in a fresh
-    process with its own numba cache (the choice is made when the kernels compile)."""
+def test_float_path_matches_float64_when_vnni_is_off(tmp_path):
+    """Both integer paths are exact: the VNNI integer dot products (the default on
+    AVX-512 VNNI hosts) and the widen-to-float path other CPUs use, forced here in a
+    fresh process with its own numba cache (the choice is made when the kernels compile)."""
     import os
     import subprocess
     import sys
@@ -259,18 +284,22 @@ def test_int4_convert_path_matches_float64_when_the_table_path_is_off(tmp_path):
         "import numpy as np\n"
         "from tierlab.engine import quant as Q\n"
         "from tierlab.engine.kernels import qmatvec as K\n"
-        "assert K._PERMUTE_NIBBLES is False\n"
+        "assert K._VNNI is False\n"
         "rng = np.random.default_rng(3)\n"
-        "for rows, cols in ((512, 2048), (7, 128)):\n"
-        "    w = rng.standard_normal((rows, cols)).astype(np.float32)\n"
-        "    q, s = Q.quantize(w, 4)\n"
-        "    x = rng.standard_normal(cols).astype(np.float32)\n"
-        "    out = np.empty(rows, np.float32)\n"
-        "    K.matvec_int4(Q.pack_int4(q), s, x, out)\n"
-        "    ref = Q.dequantize(q, s) @ x.astype(np.float64)\n"
-        "    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max(), (rows, cols)\n"
+        "for bits in (4, 8):\n"
+        "    for rows, cols in ((512, 2048), (7, 192)):\n"
+        "        w = rng.standard_normal((rows, cols)).astype(np.float32)\n"
+        "        q, s = Q.quantize(w, bits)\n"
+        "        x = rng.standard_normal(cols).astype(np.float32)\n"
+        "        out = np.empty(rows, np.float32)\n"
+        "        if bits == 4:\n"
+        "            K.matvec_int4(Q.pack_int4(q), s, x, out)\n"
+        "        else:\n"
+        "            K.matvec_int8(q, s, x, out)\n"
+        "        ref = Q.dequantize(q, s) @ x.astype(np.float64)\n"
+        "        assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max(), (bits, rows, cols)\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, TIERLAB_INT4_TABLE="0", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env = dict(os.environ, TIERLAB_VNNI="0", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

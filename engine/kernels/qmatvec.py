@@ -91,6 +91,16 @@ def _bf16_f32(typingctx, b):
 
 
 @intrinsic
+def _f32_from_bits(typingctx, b):
+    """The float32 whose bits are the int32 b."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _F32)
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
 def _wide_vectors(typingctx):
     """Let LLVM use 512-bit registers in the calling function.
 
@@ -199,138 +209,229 @@ def _dot_pieces(builder, ws, xs):
     return acc
 
 
-def _avx512_host() -> bool:
-    """True when numba compiles for this machine's CPU and it has AVX-512F."""
+def _host_has(*features: str) -> bool:
+    """True when numba compiles for this machine's CPU and it has all `features`."""
     from numba.core import config
     from llvmlite import binding
 
     if config.CPU_NAME or config.CPU_FEATURES:  # a portable or cross-target build: stay generic
         return False
-    if os.environ.get("TIERLAB_INT4_TABLE", "1") == "0":  # the convert path, for A/B benchmarks
-        return False
     try:
-        return bool(binding.get_host_cpu_features().get("avx512f"))
+        host = binding.get_host_cpu_features()
     except RuntimeError:
         return False
+    return all(host.get(f) for f in features)
 
 
-# int4 widening by table lookup (AVX-512 `vpermps`): the permute reads only the
-# low 4 bits of each 32-bit index, so a byte zero-extended to 32 bits indexes
-# its low nibble directly and, shifted right by 4, its high nibble; the
-# 16-entry table holds q - 8 as float32. Per 64 weights that is 2 zero-extends,
-# 2 shifts and 4 permutes instead of masks, lane extracts, 4 zero-extends and
-# 4 int->float converts, and the -8 needs no correction afterwards.
-_PERMUTE_NIBBLES = _avx512_host()
-_V16I = ir.VectorType(ir.IntType(32), 16)
+# Integer dot products (AVX-512 VNNI, `vpdpbusd`: 64 u8 x s8 products summed
+# four by four into 16 int32 lanes, in one instruction). x is written once per
+# call as an integer X = x / u per group (u = max|x| / (126 * 128^2), the
+# unit) and split into three signed base-128 digits, X = d0 128^2 + d1 128 + d2;
+# the weights stay as they are (int4 nibbles 0..15, int8 bytes + 128 as u8),
+# the digits are dotted one after the other into one int32 accumulator shifted
+# by 7 bits between them, and the constant offset (8 or 128 times the sum of X)
+# is subtracted as an integer. The only rounding is x to X: at most u / 2 =
+# 2.4e-7 of the group's largest |x|, far inside the 1e-5 the kernels are
+# tested to (a group whose largest |x| is below 2.4e-32 counts as zero). Per 64 int4 weights that is about 8 vector operations instead of
+# 13, and each 16 lanes of the result need one int->float conversion.
+# Wraparound makes the int32 arithmetic exact whenever the final sum fits,
+# which |q - 8| <= 8 (|q| <= 127) and |X| <= 126 * 128^2 guarantee.
+# `TIERLAB_VNNI=0` compiles the float path instead (give it its own
+# NUMBA_CACHE_DIR: numba's disk cache does not know the switch).
+_VNNI = os.environ.get("TIERLAB_VNNI", "1") != "0" and _host_has("avx512f", "avx512bw", "avx512vnni")
+_DIGIT_BITS = 7
+_UNIT_STEPS = 126.0 * 128.0 * 128.0
+_SMALLEST_UNIT = np.finfo(np.float32).tiny  # a smaller (subnormal) unit loses bits, 1/unit overflows
+_V16I = ir.VectorType(_I32, 16)
+_V64B = ir.VectorType(_I8, 64)
 
 
-def _nibbles_by_table(builder, q, g):
-    """The 64 weights (q - 8, float32) of group g as four <16 x float> pieces in element order."""
-    permute = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_V16F, [_V16F, _V16I]), "llvm.x86.avx512.permvar.sf.512")
-    table = ir.Constant(_V16F, [float(v - 8) for v in range(16)])
-    los, his = [], []
-    for half in range(2):  # bytes 0-15 and 16-31 of the group
-        start = builder.add(builder.mul(g, ir.Constant(_I64, 32)), ir.Constant(_I64, 16 * half))
-        wide = builder.zext(_load_vec(builder, q, start, ir.VectorType(_I8, 16), 1), _V16I)
-        los.append(builder.call(permute, [table, wide]))
-        his.append(builder.call(permute, [table, builder.lshr(wide, ir.Constant(_V16I, [4] * 16))]))
-    return los + his  # elements 0-15, 16-31 (low nibbles) | 32-47, 48-63 (high nibbles)
+@njit(**_SERIAL)
+def _operands_per_block(bits):
+    """u8 operands a 64-byte block of one row gives: int4 low and high nibbles; int8 the bytes."""
+    return 2 if bits == 4 else 1
 
 
-def _pair_group_loop(context, builder, signature, args, bits):
-    """Emit the loop over groups for two rows; returns the (float32, float32) tuple."""
-    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
-    qa, sa, qb, sb, x = (a.data for a in arrays[:5])
-    xsum8 = arrays[5].data if bits == 4 else None
-    ahead = args[-1]
-    n_groups = builder.extract_value(arrays[1].shape, 0)
-    zero_v, zero_f = ir.Constant(_V16F, [0.0] * 16), ir.Constant(_F32, 0.0)
-
+def _counted_loop(builder, count, inits, body):
+    """Emit `for i in range(count)` carrying the values `inits`; body(i, values) -> new values.
+    Returns the values after the loop (the inits when count <= 0)."""
     entry = builder.block
-    loop = builder.append_basic_block("groups")
-    done = builder.append_basic_block("groups.done")
-    builder.cbranch(builder.icmp_signed(">", n_groups, ir.Constant(_I64, 0)), loop, done)
-
+    loop = builder.append_basic_block("loop")
+    done = builder.append_basic_block("loop.done")
+    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_I64, 0)), loop, done)
     builder.position_at_end(loop)
-    g = builder.phi(_I64)
-    accs = [builder.phi(_V16F), builder.phi(_V16F)]
-    offs = [builder.phi(_F32), builder.phi(_F32)]
-    g.add_incoming(ir.Constant(_I64, 0), entry)
-    for phi, init in zip(accs + offs, [zero_v, zero_v, zero_f, zero_f]):
-        phi.add_incoming(init, entry)
-
-    x0 = builder.mul(g, ir.Constant(_I64, GROUP))
-    # prefetch, group by group, the same place `ahead` bytes on (in the rows a later step reads)
-    group_bytes = ir.Constant(_I64, GROUP * bits // 8)
-    prefetch = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-    for q in (qa, qb):
-        at = builder.add(builder.mul(g, group_bytes), ahead)
-        ptr = builder.gep(builder.bitcast(q, _I8.as_pointer()), [at])
-        builder.call(prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-    x_pieces = [_load_vec(builder, x, builder.add(x0, ir.Constant(_I64, 16 * k)), _V16F, 4) for k in range(4)]
-    new_accs, new_offs = [], []
-    for q, s, acc, off in ((qa, sa, accs[0], offs[0]), (qb, sb, accs[1], offs[1])):
-        scale = builder.load(builder.gep(s, [g]))
-        if bits == 4 and _PERMUTE_NIBBLES:
-            ws = _nibbles_by_table(builder, q, g)
-            new_offs.append(off)  # the table gives q - 8 itself: no offset to take back
-        elif bits == 4:
-            raw = _load_vec(builder, q, builder.mul(g, ir.Constant(_I64, 32)), ir.VectorType(_I8, 32), 1)
-            lo = builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * 32)), ir.VectorType(_F32, 32))
-            hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * 32)), ir.VectorType(_F32, 32))
-            ws = _pieces16(builder, lo) + _pieces16(builder, hi)  # elements 0-15, 16-31 | 32-47, 48-63
-            xsum = builder.load(builder.gep(xsum8, [g]))
-            new_offs.append(builder.fadd(builder.fmul(scale, xsum, flags=_FAST), off, flags=_FAST))
-        else:
-            raw = _load_vec(builder, q, x0, ir.VectorType(_I8, 64), 1)
-            ws = _pieces16(builder, builder.sitofp(raw, ir.VectorType(_F32, 64)))
-            new_offs.append(off)
-        part = _dot_pieces(builder, ws, x_pieces)
-        new_accs.append(builder.fadd(builder.fmul(part, _splat(builder, scale, _V16F), flags=_FAST), acc, flags=_FAST))
-    g_next = builder.add(g, ir.Constant(_I64, 1))
-    body_end = builder.block
-    for phi, value in zip([g] + accs + offs, [g_next] + new_accs + new_offs):
-        phi.add_incoming(value, body_end)
-    builder.cbranch(builder.icmp_signed("<", g_next, n_groups), loop, done)
-
+    i = builder.phi(_I64)
+    carried = [builder.phi(v.type) for v in inits]
+    i.add_incoming(ir.Constant(_I64, 0), entry)
+    for phi, v in zip(carried, inits):
+        phi.add_incoming(v, entry)
+    new = body(i, carried)
+    i_next = builder.add(i, ir.Constant(_I64, 1))
+    end = builder.block
+    i.add_incoming(i_next, end)
+    for phi, v in zip(carried, new):
+        phi.add_incoming(v, end)
+    builder.cbranch(builder.icmp_signed("<", i_next, count), loop, done)
     builder.position_at_end(done)
     finals = []
-    for acc_new, init, ty in zip(new_accs + new_offs, [zero_v, zero_v, zero_f, zero_f], [_V16F, _V16F, _F32, _F32]):
-        phi = builder.phi(ty)
-        phi.add_incoming(init, entry)
-        phi.add_incoming(acc_new, body_end)
+    for v, n in zip(inits, new):
+        phi = builder.phi(v.type)
+        phi.add_incoming(v, entry)
+        phi.add_incoming(n, end)
         finals.append(phi)
-    reduce_fn = cgutils.get_or_insert_function(
+    return finals
+
+
+def _prefetch(builder, ptr, offset):
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+    at = builder.gep(builder.bitcast(ptr, _I8.as_pointer()), [offset])
+    builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+def _reduce16(builder, vec):
+    fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_F32, [_F32, _V16F]), "llvm.vector.reduce.fadd.v16f32")
-    results = []
-    for acc, off in ((finals[0], finals[2]), (finals[1], finals[3])):
-        total = builder.call(reduce_fn, [ir.Constant(_F32, -0.0), acc], fastmath=_FAST)
-        results.append(builder.fsub(total, off, flags=_FAST))
+    return builder.call(fn, [ir.Constant(_F32, -0.0), vec], fastmath=_FAST)
+
+
+def _vnni_block(builder, q, s, block, digits, unit, corr, bits, half):
+    """16 float lanes of one row's 64-byte block (int4: groups 2b, 2b+1; int8: group b) times
+    its scales and units; `half`: the block is an int4 row's odd last group (32 bytes)."""
+    dot = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
+    start = builder.mul(block, ir.Constant(_I64, 64))
+    if half:  # 32 bytes, zero-extended: the missing group's lanes come out 0
+        raw = _load_vec(builder, q, start, ir.VectorType(_I8, 32), 1)
+        raw = builder.shuffle_vector(raw, ir.Constant(raw.type, None), ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+    else:
+        raw = _load_vec(builder, q, start, _V64B, 1)
+    if bits == 4:
+        operands = [builder.and_(raw, ir.Constant(_V64B, [15] * 64)), builder.lshr(raw, ir.Constant(_V64B, [4] * 64))]
+    else:
+        operands = [builder.xor(raw, ir.Constant(_V64B, [0x80] * 64))]
+    operands = [builder.bitcast(op, _V16I) for op in operands]
+    acc = ir.Constant(_V16I, [0] * 16)
+    for d in range(3):
+        if d:
+            acc = builder.shl(acc, ir.Constant(_V16I, [_DIGIT_BITS] * 16))
+        for k, op in enumerate(operands):
+            at = builder.add(builder.mul(block, ir.Constant(_I64, 64 * 3 * len(operands))),
+                             ir.Constant(_I64, 64 * (d * len(operands) + k)))
+            digit = builder.bitcast(_load_vec(builder, digits, at, _V64B, 1), _V16I)
+            acc = builder.call(dot, [acc, op, digit])
+    lanes = builder.mul(block, ir.Constant(_I64, 16))
+    acc = builder.sub(acc, _load_vec(builder, corr, lanes, _V16I, 4))
+    if bits == 4 and not half:  # lanes 0-7 belong to group 2b, 8-15 to group 2b+1
+        pair = _load_vec(builder, s, builder.mul(block, ir.Constant(_I64, 2)), ir.VectorType(_F32, 2), 4)
+        scale = builder.shuffle_vector(pair, ir.Constant(pair.type, None), ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+    else:
+        group = builder.mul(block, ir.Constant(_I64, 2)) if bits == 4 else block
+        scale = _splat(builder, builder.load(builder.gep(s, [group])), _V16F)
+    weight = builder.fmul(scale, _load_vec(builder, unit, lanes, _V16F, 4), flags=_FAST)
+    return builder.fmul(builder.sitofp(acc, _V16F), weight, flags=_FAST)
+
+
+def _pair_vnni_loop(context, builder, signature, args, bits):
+    """Two rows by VNNI (see above); returns the (float32, float32) tuple."""
+    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
+    qa, sa, qb, sb, _x, digits, unit, corr = (a.data for a in arrays)
+    ahead = args[-1]
+    n_groups = builder.extract_value(arrays[1].shape, 0)
+    blocks = builder.sdiv(n_groups, ir.Constant(_I64, 2)) if bits == 4 else n_groups
+    zero = ir.Constant(_V16F, [0.0] * 16)
+    rows = ((qa, sa), (qb, sb))
+
+    def body(b, accs):
+        out = []
+        for (q, s), acc in zip(rows, accs):
+            _prefetch(builder, q, builder.add(builder.mul(b, ir.Constant(_I64, 64)), ahead))
+            out.append(builder.fadd(_vnni_block(builder, q, s, b, digits, unit, corr, bits, False), acc, flags=_FAST))
+        return out
+
+    accs = _counted_loop(builder, blocks, [zero, zero], body)
+    if bits == 4:  # an odd last group
+        odd = builder.icmp_signed("!=", builder.srem(n_groups, ir.Constant(_I64, 2)), ir.Constant(_I64, 0))
+        before = builder.block
+        with builder.if_then(odd):
+            tails = [builder.fadd(_vnni_block(builder, q, s, blocks, digits, unit, corr, bits, True), acc, flags=_FAST)
+                     for (q, s), acc in zip(rows, accs)]
+            inside = builder.block
+        merged = []
+        for acc, tail in zip(accs, tails):
+            phi = builder.phi(_V16F)
+            phi.add_incoming(acc, before)
+            phi.add_incoming(tail, inside)
+            merged.append(phi)
+        accs = merged
+    results = [_reduce16(builder, acc) for acc in accs]
     return context.make_tuple(builder, signature.return_type, results)
 
 
-@intrinsic
-def _int4_pair_dot(typingctx, qa, sa, qb, sb, x, xsum8, ahead):
-    """(row_a . x, row_b . x) for planar-nibble int4 rows (uint8 views) and their scales;
-    `ahead`: bytes from each row to the row the next step reads (prefetched as we go)."""
-    if not (_row_view_ok(qa, types.uint8) and _row_view_ok(qb, types.uint8)
-            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x, xsum8))
+def _pair_float_loop(context, builder, signature, args, bits):
+    """Two rows widened to float32 (CPUs without VNNI); returns the (float32, float32) tuple.
+
+    int4 nibbles are used unsigned; the -8 comes back once per group as
+    scale * 8 * sum(x in group), from `unit` (= 8 * group sums of x here)."""
+    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
+    qa, sa, qb, sb, x, _digits, xsum8, _corr = (a.data for a in arrays)
+    ahead = args[-1]
+    n_groups = builder.extract_value(arrays[1].shape, 0)
+    zero_v, zero_f = ir.Constant(_V16F, [0.0] * 16), ir.Constant(_F32, 0.0)
+    group_bytes = ir.Constant(_I64, GROUP * bits // 8)
+
+    def body(g, carried):
+        x0 = builder.mul(g, ir.Constant(_I64, GROUP))
+        x_pieces = [_load_vec(builder, x, builder.add(x0, ir.Constant(_I64, 16 * k)), _V16F, 4) for k in range(4)]
+        accs, offs = [], []
+        for q, s, acc, off in ((qa, sa, carried[0], carried[2]), (qb, sb, carried[1], carried[3])):
+            _prefetch(builder, q, builder.add(builder.mul(g, group_bytes), ahead))
+            scale = builder.load(builder.gep(s, [g]))
+            if bits == 4:
+                raw = _load_vec(builder, q, builder.mul(g, ir.Constant(_I64, 32)), ir.VectorType(_I8, 32), 1)
+                lo = builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * 32)), ir.VectorType(_F32, 32))
+                hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * 32)), ir.VectorType(_F32, 32))
+                ws = _pieces16(builder, lo) + _pieces16(builder, hi)  # elements 0-15, 16-31 | 32-47, 48-63
+                xsum = builder.load(builder.gep(xsum8, [g]))
+                off = builder.fadd(builder.fmul(scale, xsum, flags=_FAST), off, flags=_FAST)
+            else:
+                raw = _load_vec(builder, q, x0, ir.VectorType(_I8, 64), 1)
+                ws = _pieces16(builder, builder.sitofp(raw, ir.VectorType(_F32, 64)))
+            part = _dot_pieces(builder, ws, x_pieces)
+            accs.append(builder.fadd(builder.fmul(part, _splat(builder, scale, _V16F), flags=_FAST), acc, flags=_FAST))
+            offs.append(off)
+        return accs + offs
+
+    a, b, off_a, off_b = _counted_loop(builder, n_groups, [zero_v, zero_v, zero_f, zero_f], body)
+    results = [builder.fsub(_reduce16(builder, acc), off, flags=_FAST) for acc, off in ((a, off_a), (b, off_b))]
+    return context.make_tuple(builder, signature.return_type, results)
+
+
+def _pair_dot(bits, qa, sa, qb, sb, x, digits, unit, corr, ahead):
+    """Typing and code for the two intrinsics below."""
+    weight = types.uint8 if bits == 4 else types.int8
+    if not (_row_view_ok(qa, weight) and _row_view_ok(qb, weight)
+            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x, unit))
+            and _row_view_ok(digits, types.int8) and _row_view_ok(corr, types.int32)
             and isinstance(ahead, types.Integer)):
         return None
-    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x, xsum8, types.int64)
-    return sig, lambda context, builder, signature, args: _pair_group_loop(context, builder, signature, args, 4)
+    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x, digits, unit, corr, types.int64)
+    emit = _pair_vnni_loop if _VNNI else _pair_float_loop
+    return sig, lambda context, builder, signature, args: emit(context, builder, signature, args, bits)
 
 
 @intrinsic
-def _int8_pair_dot(typingctx, qa, sa, qb, sb, x, ahead):
-    """(row_a . x, row_b . x) for int8 rows and their scales; `ahead` as for int4."""
-    if not (_row_view_ok(qa, types.int8) and _row_view_ok(qb, types.int8)
-            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x)) and isinstance(ahead, types.Integer)):
-        return None
-    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x, types.int64)
-    return sig, lambda context, builder, signature, args: _pair_group_loop(context, builder, signature, args, 8)
+def _int4_pair_dot(typingctx, qa, sa, qb, sb, x, digits, unit, corr, ahead):
+    """(row_a . x, row_b . x) for two planar-nibble int4 rows (uint8 views) and their scales;
+    (digits, unit, corr): x as _prepare_x gives it; `ahead`: bytes from each row to the
+    place the step at least _AHEAD_BYTES later reads (prefetched as the loop goes)."""
+    return _pair_dot(4, qa, sa, qb, sb, x, digits, unit, corr, ahead)
+
+
+@intrinsic
+def _int8_pair_dot(typingctx, qa, sa, qb, sb, x, digits, unit, corr, ahead):
+    """The same for two int8 rows."""
+    return _pair_dot(8, qa, sa, qb, sb, x, digits, unit, corr, ahead)
 
 
 # --- row dot products (LLVM inlines them into the parallel loops) --------------------------
@@ -373,75 +474,142 @@ def _dot2_raw(a, ra, b, rb, x):
     return sa, sb
 
 
-@njit(**_SERIAL)
-def _dot_int8(q, s, r, x):
-    _wide_vectors()
-    acc = np.float32(0.0)
-    for g in range(s.shape[1]):
-        part = np.float32(0.0)
-        x0 = g * GROUP
-        for j in range(GROUP):
-            part += _i8_f32(q[r, x0 + j]) * x[x0 + j]
-        acc += s[r, g] * part
-    return acc
+def _quant_pair_dot(qa, sa, qb, sb, x, digits, unit, corr, ahead):
+    """Two rows of an int4 (uint8) or int8 matrix: the intrinsic for the weights' type."""
+
+
+@overload(_quant_pair_dot)
+def _quant_pair_dot_impl(qa, sa, qb, sb, x, digits, unit, corr, ahead):
+    if qa.dtype == types.uint8:
+        return lambda qa, sa, qb, sb, x, digits, unit, corr, ahead: _int4_pair_dot(
+            qa, sa, qb, sb, x, digits, unit, corr, ahead)
+    return lambda qa, sa, qb, sb, x, digits, unit, corr, ahead: _int8_pair_dot(
+        qa, sa, qb, sb, x, digits, unit, corr, ahead)
+
+
+def _bits_of(q):
+    """4 for planar-nibble (uint8) weights, 8 for int8."""
+
+
+@overload(_bits_of)
+def _bits_of_impl(q):
+    bits = 4 if q.dtype == types.uint8 else 8
+    return lambda q: bits
 
 
 @njit(**_SERIAL)
-def _ahead_bytes(q, ra, rb):
-    """How far ahead the int8/int4 group loops prefetch: the same place in the rows of the
-    step at least _AHEAD_BYTES of this row's matrix later (a step takes rows 2p, 2p+1 of one
-    matrix, or row p of two matrices when ra == rb)."""
-    row = np.int64(q.strides[0])
-    steps = max(np.int64(1), (np.int64(_AHEAD_BYTES) + row - 1) // row)
-    return row * steps * (1 if ra == rb else 2)
+def _prepared_sizes(cols, bits):
+    """Lengths of the (digits, unit, corr) arrays that x [cols] is prepared into."""
+    n_groups = cols // GROUP
+    if not _VNNI:  # the float path needs only 8 * the group sums of x (int4), in `unit`
+        return 0, (n_groups if bits == 4 else 0), 0
+    blocks = (n_groups + 1) // 2 if bits == 4 else n_groups
+    return blocks * 3 * 64 * _operands_per_block(bits), blocks * 16, blocks * 16
 
 
 @njit(**_SERIAL)
-def _dot2_int8(qa, sa, ra, qb, sb, rb, x):
-    _wide_vectors()
-    return _int8_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x, _ahead_bytes(qa, ra, rb))
+def _prepare_into(x, bits, digits, unit, corr):
+    """Write x in the form the pair dots read (see the VNNI note above _VNNI).
 
-
-@njit(**_SERIAL)
-def _dot_int4(q, s, r, x, xsum8):
-    """Row r of a planar-nibble int4 matrix dotted with x.
-
-    The nibbles are used unsigned (0..15); the -8 offset comes back once per
-    group as scale * 8 * sum(x in group) = scale * xsum8[g].
+    VNNI: per 64-byte block of a row, `digits` holds 3 digits x operands x 64
+    bytes lined up with the weight bytes they multiply, `unit` the 16 lanes' units
+    and `corr` the 16 lanes' integer offsets. Float path: `unit` = 8 * group sums (int4).
+    Written as plain loops over contiguous runs so that LLVM vectorises them (~1 us for 2048).
     """
     _wide_vectors()
-    half = GROUP // 2
-    acc = np.float32(0.0)
-    for g in range(s.shape[1]):
-        part = np.float32(0.0)
-        b0 = g * half
-        x0 = g * GROUP
-        for j in range(half):
-            b = q[r, b0 + j]
-            part += _lo_nibble_f32(b) * x[x0 + j] + _hi_nibble_f32(b) * x[x0 + half + j]
-        acc += s[r, g] * (part - xsum8[g])
-    return acc
-
-
-@njit(**_SERIAL)
-def _dot2_int4(qa, sa, ra, qb, sb, rb, x, xsum8):
-    """Two int4 rows against one x (see _dot_int4 for the folded -8)."""
-    _wide_vectors()
-    return _int4_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x, xsum8, _ahead_bytes(qa, ra, rb))
-
-
-@njit(**_SERIAL)
-def _group_sums8(x):
-    """8 * sum of x over each group of 64 (the folded nibble offset)."""
-    _wide_vectors()
-    n = x.shape[0] // GROUP
-    out = np.empty(n, np.float32)
-    for g in range(n):
-        t = np.float32(0.0)
+    n_groups = x.shape[0] // GROUP
+    if not _VNNI:
+        if bits == 4:
+            for g in range(n_groups):
+                t = np.float32(0.0)
+                for j in range(GROUP):
+                    t += x[g * GROUP + j]
+                unit[g] = np.float32(8.0) * t
+        return
+    big = np.empty(x.shape[0], np.int32)
+    magnitude = x.view(np.int32)  # |x| compared as integers: the float bits without the sign
+    for g in range(n_groups):
+        top = np.int32(0)
         for j in range(GROUP):
-            t += x[g * GROUP + j]
-        out[g] = np.float32(8.0) * t
-    return out
+            top = max(top, magnitude[g * GROUP + j] & np.int32(0x7FFFFFFF))
+        u = np.float32(_f32_from_bits(top) / _UNIT_STEPS)
+        if u < _SMALLEST_UNIT:  # all |x| < 2.4e-32 (or zero): counted as zero
+            u = np.float32(0.0)
+        inv = np.float32(1.0) / u if u > 0 else np.float32(0.0)
+        for j in range(GROUP):  # round half away from zero (np.rint is a libm call per element)
+            v = x[g * GROUP + j] * inv
+            big[g * GROUP + j] = np.int32(v + np.float32(0.5) if v >= 0 else v - np.float32(0.5))
+        if bits == 4:  # lanes 0-7 of block g // 2 belong to even groups, 8-15 to odd ones
+            unit[(g // 2) * 16 + 8 * (g % 2): (g // 2) * 16 + 8 * (g % 2) + 8] = u
+        else:
+            unit[g * 16: g * 16 + 16] = u
+    # a block holds 3 digits x 64 bytes per operand (a constant span in each branch, which
+    # lets LLVM vectorise the digit stores)
+    if bits == 4:
+        span = 128
+        if n_groups % 2:  # the odd last group's partner: nothing
+            last = (n_groups // 2) * 16
+            unit[last + 8: last + 16] = 0.0
+            corr[last + 8: last + 16] = 0
+            digits[(n_groups // 2) * 3 * span:] = 0
+        for g in range(n_groups):
+            for op in range(2):  # low nibbles: elements 0-31, high nibbles: 32-63
+                src = g * GROUP + 32 * op
+                at = (g // 2) * 3 * span + op * 64 + 32 * (g % 2)
+                for j in range(32):
+                    _put_digits(big[src + j], digits, at + j, span)
+            for lane in range(8):
+                src = g * GROUP + 4 * lane
+                total = (big[src] + big[src + 1] + big[src + 2] + big[src + 3]
+                         + big[src + 32] + big[src + 33] + big[src + 34] + big[src + 35])
+                corr[(g // 2) * 16 + 8 * (g % 2) + lane] = np.int32(8) * total
+    else:
+        span = 64
+        for g in range(n_groups):
+            for j in range(GROUP):
+                _put_digits(big[g * GROUP + j], digits, g * 3 * span + j, span)
+            for lane in range(16):
+                src = g * GROUP + 4 * lane
+                corr[g * 16 + lane] = np.int32(128) * (big[src] + big[src + 1] + big[src + 2] + big[src + 3])
+
+
+@njit(**_SERIAL)
+def _put_digits(big, digits, at, span):
+    """big = d0 128^2 + d1 128 + d2 with each digit in [-64, 64): at, at + span, at + 2 span."""
+    d2 = ((big + np.int32(64)) & np.int32(127)) - np.int32(64)
+    rest = (big - d2) >> np.int32(_DIGIT_BITS)
+    d1 = ((rest + np.int32(64)) & np.int32(127)) - np.int32(64)
+    digits[at] = np.int8((rest - d1) >> np.int32(_DIGIT_BITS))
+    digits[at + span] = np.int8(d1)
+    digits[at + 2 * span] = np.int8(d2)
+
+
+@njit(**_SERIAL)
+def _prepare_x(x, bits):
+    """x prepared for one call of the pair dots: (digits, unit, corr)."""
+    n_digits, n_unit, n_corr = _prepared_sizes(x.shape[0], bits)
+    digits = np.empty(n_digits, np.int8)
+    unit = np.empty(n_unit, np.float32)
+    corr = np.empty(n_corr, np.int32)
+    _prepare_into(x, bits, digits, unit, corr)
+    return digits, unit, corr
+
+
+@njit(**_SERIAL)
+def _ahead_bytes(q, mode):
+    """How far ahead the int8/int4 loops prefetch: the same place in the rows of the step at
+    least _AHEAD_BYTES of this matrix later (a step reads rows 2p and 2p+1 of one matrix,
+    or row p of two matrices in GATE_UP mode)."""
+    row = np.int64(q.strides[0])
+    steps = max(np.int64(1), (np.int64(_AHEAD_BYTES) + row - 1) // row)
+    return row * steps * (1 if mode == GATE_UP else 2)
+
+
+@njit(**_SERIAL)
+def _dot2_quant(qa, sa, ra, qb, sb, rb, x, digits, unit, corr, ahead):
+    """Row ra of (qa, sa) and row rb of (qb, sb) dotted with x, prepared as (digits, unit, corr)."""
+    _wide_vectors()
+    return _quant_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x, digits, unit, corr, ahead)
 
 
 # --- row passes: one parallel loop per kind serves the matvec and both expert halves -------
@@ -525,31 +693,19 @@ def _pass_raw(a, b, x, out, mode, w):
 
 
 @njit(**_PARALLEL)
-def _pass_int8(qa, sa, qb, sb, x, out, mode, w):
+def _pass_quant(qa, sa, qb, sb, x, out, mode, w):
+    """int8 or int4 (planar-nibble uint8) weights."""
     _wide_vectors()
     wf = np.float32(w)
+    digits, unit, corr = _prepare_x(x, _bits_of(qa))
+    ahead = _ahead_bytes(qa, mode)
     for p in prange(_steps(mode, qa.shape[0])):
         ra, rb = _pair_rows(mode, p)
-        va, vb = _dot2_int8(qa, sa, ra, qb, sb, rb, x)
+        va, vb = _dot2_quant(qa, sa, ra, qb, sb, rb, x, digits, unit, corr, ahead)
         _store(mode, out, ra, va, rb, vb, wf)
     if mode != GATE_UP and qa.shape[0] % 2:
         r = qa.shape[0] - 1
-        v = _dot_int8(qa, sa, r, x)
-        _store_last(mode, out, r, v, wf)
-
-
-@njit(**_PARALLEL)
-def _pass_int4(qa, sa, qb, sb, x, out, mode, w):
-    _wide_vectors()
-    wf = np.float32(w)
-    xsum8 = _group_sums8(x)
-    for p in prange(_steps(mode, qa.shape[0])):
-        ra, rb = _pair_rows(mode, p)
-        va, vb = _dot2_int4(qa, sa, ra, qb, sb, rb, x, xsum8)
-        _store(mode, out, ra, va, rb, vb, wf)
-    if mode != GATE_UP and qa.shape[0] % 2:
-        r = qa.shape[0] - 1
-        v = _dot_int4(qa, sa, r, x, xsum8)
+        v, _ = _dot2_quant(qa, sa, r, qa, sa, r, x, digits, unit, corr, ahead)
         _store_last(mode, out, r, v, wf)
 
 
@@ -577,34 +733,26 @@ def _tokens_raw(a, b, x, out, mode):
 
 
 @njit(**_PARALLEL)
-def _tokens_int8(qa, sa, qb, sb, x, out, mode):
+def _tokens_quant(qa, sa, qb, sb, x, out, mode):
+    """int8 or int4 (planar-nibble uint8) weights."""
     _wide_vectors()
-    for p in prange(_steps(mode, qa.shape[0])):
-        ra, rb = _pair_rows(mode, p)
-        for t in range(x.shape[0]):
-            va, vb = _dot2_int8(qa, sa, ra, qb, sb, rb, x[t])
-            _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
-    if mode != GATE_UP and qa.shape[0] % 2:
-        r = qa.shape[0] - 1
-        for t in range(x.shape[0]):
-            out[t, r] = _dot_int8(qa, sa, r, x[t])
-
-
-@njit(**_PARALLEL)
-def _tokens_int4(qa, sa, qb, sb, x, out, mode):
-    _wide_vectors()
-    xsum8 = np.empty((x.shape[0], sa.shape[1]), dtype=np.float32)
+    bits = _bits_of(qa)
+    n_digits, n_unit, n_corr = _prepared_sizes(x.shape[1], bits)
+    digits = np.empty((x.shape[0], n_digits), np.int8)
+    unit = np.empty((x.shape[0], n_unit), np.float32)
+    corr = np.empty((x.shape[0], n_corr), np.int32)
     for t in range(x.shape[0]):
-        xsum8[t] = _group_sums8(x[t])
+        _prepare_into(x[t], bits, digits[t], unit[t], corr[t])
+    ahead = _ahead_bytes(qa, mode)
     for p in prange(_steps(mode, qa.shape[0])):
         ra, rb = _pair_rows(mode, p)
         for t in range(x.shape[0]):
-            va, vb = _dot2_int4(qa, sa, ra, qb, sb, rb, x[t], xsum8[t])
+            va, vb = _dot2_quant(qa, sa, ra, qb, sb, rb, x[t], digits[t], unit[t], corr[t], ahead)
             _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
     if mode != GATE_UP and qa.shape[0] % 2:
         r = qa.shape[0] - 1
         for t in range(x.shape[0]):
-            out[t, r] = _dot_int4(qa, sa, r, x[t], xsum8[t])
+            out[t, r], _ = _dot2_quant(qa, sa, r, qa, sa, r, x[t], digits[t], unit[t], corr[t], ahead)
 
 
 # --- public entry points --------------------------------------------------------------------
@@ -645,13 +793,13 @@ def matvec_bf16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
 def matvec_int8(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q int8 [rows, cols], scales float32 [rows, cols/64]."""
     _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
-    _pass_int8(q, scales, q, scales, _f32(x), out, SET, 1.0)
+    _pass_quant(q, scales, q, scales, _f32(x), out, SET, 1.0)
 
 
 def matvec_int4(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q planar-nibble uint8 [rows, cols/2], scales [rows, cols/64]."""
     _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
-    _pass_int4(q, scales, q, scales, _f32(x), out, SET, 1.0)
+    _pass_quant(q, scales, q, scales, _f32(x), out, SET, 1.0)
 
 
 def raw_matrices(blob: np.ndarray, kind: str, hidden: int, inter: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -694,9 +842,8 @@ def _expert_forward_quant(bits: int, blob: np.ndarray, hidden: int, inter: int, 
     _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x, y)
     qg, sg, qu, su, qd, sd = quant_matrices(blob, bits, hidden, inter)
     h = np.empty(inter, np.float32)
-    passes = _pass_int8 if bits == 8 else _pass_int4
-    passes(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
-    passes(qd, sd, qd, sd, h, y, ADD, float(w))
+    _pass_quant(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
+    _pass_quant(qd, sd, qd, sd, h, y, ADD, float(w))
 
 
 def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
@@ -741,9 +888,8 @@ def expert_forward_tokens(kind: str, blob: np.ndarray, hidden: int, inter: int, 
         bits = 8 if kind == "int8" else 4
         _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x[0], y[0])
         qg, sg, qu, su, qd, sd = quant_matrices(blob, bits, hidden, inter)
-        tokens = _tokens_int8 if bits == 8 else _tokens_int4
-        tokens(qg, sg, qu, su, x, h, GATE_UP)
-        tokens(qd, sd, qd, sd, h, y, SET)
+        _tokens_quant(qg, sg, qu, su, x, h, GATE_UP)
+        _tokens_quant(qd, sd, qd, sd, h, y, SET)
     return y
 
 
