@@ -6,7 +6,8 @@ bandwidth measured in the same run (bytes per weight include the scales).
 The machine is shared, so every figure is the median of many timed calls
 (the best call is reported too); operands rotate through a 512 MiB working set, larger
 than the last-level cache (300 MiB here), so that every weight comes from
-DRAM as it does in decode; `per_core_cpu` is the cache-hot figure.
+DRAM as it does in decode, and sit on huge pages as the engine's weights do
+(engine/hugepages.py); `per_core_cpu` is the cache-hot figure.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit, prange
 
+from tierlab.engine import hugepages
 from tierlab.engine.kernels import qmatvec as K
 from tierlab.engine.quant import GROUP
 
@@ -114,22 +116,24 @@ def measure_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
 
 
 def _random_operands(kind: str, rows: int, cols: int, copies: int, rng: np.random.Generator) -> list[tuple]:
-    """`copies` independent weight sets of one kind (contents do not affect speed)."""
-    ops = []
-    for _ in range(copies):
-        if kind == "fp32":
-            ops.append((rng.standard_normal((rows, cols), dtype=np.float32),))
-        elif kind == "bf16":
-            bits = rng.integers(0x3C00, 0x3F80, size=(rows, cols), dtype=np.uint16)
-            ops.append((bits,))
+    """`copies` independent weight sets of one kind (contents do not affect speed), each
+    part of all copies in one buffer on huge pages, as the engine keeps its weights."""
+    if kind == "fp32":
+        parts = [rng.standard_normal((copies, rows, cols), dtype=np.float32)]
+    elif kind == "bf16":
+        parts = [rng.integers(0x3C00, 0x3F80, size=(copies, rows, cols), dtype=np.uint16)]
+    else:
+        if kind == "int8":
+            q = rng.integers(-127, 128, size=(copies, rows, cols), dtype=np.int8)
         else:
-            scales = rng.random((rows, cols // GROUP), dtype=np.float32)
-            if kind == "int8":
-                q = rng.integers(-127, 128, size=(rows, cols), dtype=np.int8)
-            else:
-                q = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8)
-            ops.append((q, scales))
-    return ops
+            q = rng.integers(0, 256, size=(copies, rows, cols // 2), dtype=np.uint8)
+        parts = [q, rng.random((copies, rows, cols // GROUP), dtype=np.float32)]
+    arenas = []
+    for part in parts:
+        arena = hugepages.empty(part.shape, part.dtype)
+        arena[:] = part
+        arenas.append(arena)
+    return [tuple(arena[i] for arena in arenas) for i in range(copies)]
 
 
 _MATVEC = {"fp32": K.matvec_fp32, "bf16": K.matvec_bf16, "int8": K.matvec_int8, "int4": K.matvec_int4}
@@ -240,7 +244,11 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
         if progress:
             progress(f"fused expert {kind}")
         blob_bytes = int(3 * hidden * inter * BYTES_PER_WEIGHT[kind])
-        blobs = [_fused_blob(kind, hidden, inter, rng) for _ in range(_copies_for(blob_bytes, working_set))]
+        copies = _copies_for(blob_bytes, working_set)
+        first = _fused_blob(kind, hidden, inter, rng)
+        arena = hugepages.empty((copies, first.nbytes), np.uint8)
+        arena[:] = first  # the same weights in every copy: contents do not affect speed
+        blobs = list(arena)
         x = rng.standard_normal(hidden, dtype=np.float32) * np.float32(0.1)
         y = np.zeros(hidden, dtype=np.float32)
         fn = K.EXPERT_FORWARD[kind]
