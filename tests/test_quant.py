@@ -111,6 +111,19 @@ def test_bf16_and_fp32_matvec_match_float64(rng, rows, cols):
     _close(out, wb.astype(np.float64) @ x)
 
 
+@pytest.mark.parametrize("rows,cols", [(7, 45), (9, 200), (3, 8)])
+def test_bf16_and_fp32_matvec_with_columns_beyond_whole_64_byte_lines(rng, rows, cols):
+    """The row loops take 64 bytes at a time; the last few columns are added after them."""
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    x = rng.standard_normal(cols).astype(np.float32)
+    out = np.empty(rows, dtype=np.float32)
+    K.matvec_fp32(w, x, out)
+    _close(out, w.astype(np.float64) @ x)
+    wb = w.astype(ml_dtypes.bfloat16)
+    K.matvec_bf16(wb.view(np.uint16), x, out)
+    _close(out, wb.astype(np.float64) @ x)
+
+
 def test_int4_matvec_odd_inputs(rng):
     """Zero groups, a lone extreme group, x with zeros and large values, and -8 nibbles."""
     rows, cols = 64, 256

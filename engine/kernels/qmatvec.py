@@ -121,46 +121,19 @@ def _wide_vectors(typingctx):
     return types.none(), codegen
 
 
-# --- software prefetch of the next rows -----------------------------------------------------
-# A row of an expert matrix is 1-4 KiB, so the hardware prefetcher, which
-# stops at every 4 KiB page and needs a few misses to ramp up, leaves each
-# new row to start cold. From DRAM the int8/int4 kernels then ran at half
-# their cache-hot speed. Each parallel step therefore asks for the rows it
-# will work on next while it computes the current ones (fp32 and bf16: the
-# whole next rows at the start of a step). The int8/int4 loops instead prefetch
-# one line per group as they go, further ahead (below): a burst of a whole row's
-# lines at once fills the core's line-fill buffers and stalls its own loads.
-
-_PREFETCH_LINE = 64
-# The int8/int4 group loops prefetch as they go, one line per group and row, this
-# many bytes ahead (rounded up to whole steps): 1-thread int4 from DRAM 15 -> 17
-# Gweights/s on 1 KiB rows and 7-10 -> 12.6-13.3 on 256-byte rows, where one step
-# ahead is too close to hide DRAM latency (docs/benchmarks.md).
+# --- software prefetch of the rows ahead -----------------------------------------------------
+# A row of an expert matrix is 256 bytes to 8 KiB, so the hardware prefetcher,
+# which stops at every 4 KiB page and needs a few misses to ramp up, leaves
+# each new row to start cold: from DRAM the kernels ran at half their
+# cache-hot speed. Every row loop below therefore prefetches as it goes, one
+# line per 64 bytes it reads, the same place in the rows a later step reads,
+# this many bytes ahead (rounded up to whole steps): 1-thread int4 from DRAM
+# 15 -> 17 Gweights/s on 1 KiB rows and 7-10 -> 12.6-13.3 on 256-byte rows,
+# where one step ahead is too close to hide DRAM latency. (Prefetching a whole
+# row at the start of a step, as the fp32/bf16 loops once did, fills the
+# core's line-fill buffers in a burst and stalls its own loads: bf16 moved from
+# that to this scheme 1.2-1.3x faster; docs/benchmarks.md.)
 _AHEAD_BYTES = 4096
-
-
-@intrinsic
-def _prefetch_row(typingctx, arr, r):
-    """Prefetch row r of a 2-D C-contiguous array into the cache (no-op when r is out of range)."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 2 and arr.layout == "C" and isinstance(r, types.Integer)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        a = context.make_array(signature.args[0])(context, builder, args[0])
-        rows = builder.extract_value(a.shape, 0)
-        row_bytes = builder.extract_value(a.strides, 0)
-        r64 = context.cast(builder, args[1], signature.args[1], types.int64)
-        in_range = builder.and_(builder.icmp_signed(">=", r64, ir.Constant(_I64, 0)),
-                                builder.icmp_signed("<", r64, rows))
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-        with builder.if_then(in_range):
-            base = builder.gep(builder.bitcast(a.data, _I8.as_pointer()), [builder.mul(r64, row_bytes)])
-            with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), row_bytes, ir.Constant(_I64, _PREFETCH_LINE)) as (off, _):
-                builder.call(prefetch, [builder.gep(base, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-
-    return types.none(arr, r), codegen
 
 
 # --- explicit-vector group loops for int4 and int8 -----------------------------------------
@@ -434,6 +407,56 @@ def _int8_pair_dot(typingctx, qa, sa, qb, sb, x, digits, unit, corr, ahead):
     return _pair_dot(8, qa, sa, qb, sb, x, digits, unit, corr, ahead)
 
 
+def _raw_pair_loop(context, builder, signature, args):
+    """Two fp32 or bf16 rows, 64 bytes of each per iteration, prefetching `ahead` bytes on."""
+    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3])]
+    a, b, x = (arr.data for arr in arrays)
+    ahead = args[3]
+    bf16 = signature.args[0].dtype == types.uint16
+    per_line = 32 if bf16 else 16  # weights in 64 bytes
+    pieces = per_line // 16
+    lines = builder.sdiv(builder.extract_value(arrays[0].shape, 0), ir.Constant(_I64, per_line))
+    zero = ir.Constant(_V16F, [0.0] * 16)
+
+    def body(i, accs):
+        start = builder.mul(i, ir.Constant(_I64, per_line))
+        xs = [_load_vec(builder, x, builder.add(start, ir.Constant(_I64, 16 * k)), _V16F, 4) for k in range(pieces)]
+        out = []
+        for r, row in enumerate((a, b)):
+            _prefetch(builder, row, builder.add(builder.mul(i, ir.Constant(_I64, 64)), ahead))
+            if bf16:  # the bf16 bits are the high half of the float32
+                raw = _load_vec(builder, row, start, ir.VectorType(ir.IntType(16), 32), 2)
+                wide = builder.shl(builder.zext(raw, ir.VectorType(_I32, 32)), ir.Constant(ir.VectorType(_I32, 32), [16] * 32))
+                ws = _pieces16(builder, builder.bitcast(wide, ir.VectorType(_F32, 32)))
+            else:
+                ws = [_load_vec(builder, row, start, _V16F, 4)]
+            for k in range(pieces):
+                out.append(builder.fadd(builder.fmul(ws[k], xs[k], flags=_FAST), accs[r * pieces + k], flags=_FAST))
+        return out
+
+    accs = _counted_loop(builder, lines, [zero] * (2 * pieces), body)
+    sums = []
+    for r in range(2):
+        total = accs[r * pieces]
+        for k in range(1, pieces):
+            total = builder.fadd(total, accs[r * pieces + k], flags=_FAST)
+        sums.append(_reduce16(builder, total))
+    return context.make_tuple(builder, signature.return_type, sums)
+
+
+@intrinsic
+def _raw_pair_dot(typingctx, a, b, x, ahead):
+    """(a . x, b . x) over the first whole 64 bytes of two fp32 or bf16 (uint16) rows (1-D
+    views of one dtype); the caller adds the last few columns. The int8/int4 prefetch
+    scheme carried over: from DRAM, bf16 1.2-1.3x over LLVM's own loop with whole next rows
+    prefetched at the start of each step (docs/benchmarks.md)."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a == b
+            and a.dtype in (types.uint16, types.float32) and _row_view_ok(x, types.float32)
+            and isinstance(ahead, types.Integer)):
+        return None
+    return types.UniTuple(types.float32, 2)(a, b, x, types.int64), _raw_pair_loop
+
+
 # --- row dot products (LLVM inlines them into the parallel loops) --------------------------
 # Each kind has a one-row and a two-row dot. Two rows share every load of x,
 # which is what makes the int4 and bf16 loops fast (~1.3-1.8x over one row);
@@ -452,26 +475,15 @@ def _as_f32_impl(v):
 
 
 @njit(**_SERIAL)
-def _dot_raw(w, r, x):
-    """Row r of an fp32 or bf16 matrix dotted with x."""
+def _dot2_raw(a, ra, b, rb, x, ahead):
+    """Row ra of a and row rb of b (fp32 or bf16) dotted with x."""
     _wide_vectors()
-    acc = np.float32(0.0)
-    for c in range(x.shape[0]):
-        acc += _as_f32(w[r, c]) * x[c]
-    return acc
-
-
-@njit(**_SERIAL)
-def _dot2_raw(a, ra, b, rb, x):
-    """Two fp32 or bf16 rows against one x."""
-    _wide_vectors()
-    sa = np.float32(0.0)
-    sb = np.float32(0.0)
-    for c in range(x.shape[0]):
-        xc = x[c]
-        sa += _as_f32(a[ra, c]) * xc
-        sb += _as_f32(b[rb, c]) * xc
-    return sa, sb
+    va, vb = _raw_pair_dot(a[ra], b[rb], x, ahead)
+    n = x.shape[0]
+    for c in range(n - n % (64 // a.itemsize), n):
+        va += _as_f32(a[ra, c]) * x[c]
+        vb += _as_f32(b[rb, c]) * x[c]
+    return va, vb
 
 
 def _quant_pair_dot(qa, sa, qb, sb, x, digits, unit, corr, ahead):
@@ -597,7 +609,7 @@ def _prepare_x(x, bits):
 
 @njit(**_SERIAL)
 def _ahead_bytes(q, mode):
-    """How far ahead the int8/int4 loops prefetch: the same place in the rows of the step at
+    """How far ahead the row loops prefetch: the same place in the rows of the step at
     least _AHEAD_BYTES of this matrix later (a step reads rows 2p and 2p+1 of one matrix,
     or row p of two matrices in GATE_UP mode)."""
     row = np.int64(q.strides[0])
@@ -635,22 +647,6 @@ def _pair_rows(mode, p):
 
 
 @njit(**_SERIAL)
-def _prefetch_next(mode, a, b, p):
-    """Prefetch the rows of step p + 1 (see _prefetch_row); fp32 and bf16 passes.
-
-    One step ahead measured best for bf16 (~1.2x from DRAM); two and four
-    steps were no better.
-    """
-    i = np.int64(p) + 1
-    if mode == GATE_UP:
-        _prefetch_row(a, i)
-        _prefetch_row(b, i)
-    else:
-        _prefetch_row(a, 2 * i)
-        _prefetch_row(a, 2 * i + 1)
-
-
-@njit(**_SERIAL)
 def _store(mode, out, ra, a, rb, b, w):
     if mode == GATE_UP:
         out[ra] = _silu_mul(a, b)
@@ -681,14 +677,14 @@ def _pass_raw(a, b, x, out, mode, w):
     """fp32 (float32) or bf16 (uint16) weights."""
     _wide_vectors()
     wf = np.float32(w)
+    ahead = _ahead_bytes(a, mode)
     for p in prange(_steps(mode, a.shape[0])):
-        _prefetch_next(mode, a, b, p)
         ra, rb = _pair_rows(mode, p)
-        va, vb = _dot2_raw(a, ra, b, rb, x)
+        va, vb = _dot2_raw(a, ra, b, rb, x, ahead)
         _store(mode, out, ra, va, rb, vb, wf)
     if mode != GATE_UP and a.shape[0] % 2:
         r = a.shape[0] - 1
-        v = _dot_raw(a, r, x)
+        v, _ = _dot2_raw(a, r, a, r, x, ahead)
         _store_last(mode, out, r, v, wf)
 
 
@@ -720,16 +716,16 @@ def _pass_quant(qa, sa, qb, sb, x, out, mode, w):
 def _tokens_raw(a, b, x, out, mode):
     """fp32 (float32) or bf16 (uint16) weights."""
     _wide_vectors()
+    ahead = _ahead_bytes(a, mode)
     for p in prange(_steps(mode, a.shape[0])):
-        _prefetch_next(mode, a, b, p)
         ra, rb = _pair_rows(mode, p)
         for t in range(x.shape[0]):
-            va, vb = _dot2_raw(a, ra, b, rb, x[t])
+            va, vb = _dot2_raw(a, ra, b, rb, x[t], ahead)
             _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
     if mode != GATE_UP and a.shape[0] % 2:
         r = a.shape[0] - 1
         for t in range(x.shape[0]):
-            out[t, r] = _dot_raw(a, r, x[t])
+            out[t, r], _ = _dot2_raw(a, r, a, r, x[t], ahead)
 
 
 @njit(**_PARALLEL)
