@@ -20,6 +20,7 @@ def test_bench_kernels_quick_json():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["bandwidth_gbs"] > 0 and math.isfinite(report["bandwidth_gbs"])
+    assert report["bandwidth_gbs"] == max(report["bandwidth_runs_gbs"]) and len(report["bandwidth_runs_gbs"]) == 2
     for kind in KINDS:
         rate = report["matvec"][kind]
         assert rate > 0 and math.isfinite(rate), (kind, rate)
