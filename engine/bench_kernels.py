@@ -49,6 +49,8 @@ class KernelReport:
     bandwidth_numpy_gbs: float
     working_set_mb: float
     bandwidth_runs_gbs: list[float] = field(default_factory=list)
+    # how this machine's int8/int4 kernels compute: "vnni" (integer dot products) or "float"
+    int_path: str = field(default_factory=lambda: "vnni" if K._VNNI else "float")
     matvec: dict[str, float] = field(default_factory=dict)  # median Gweights/s over SHAPES
     matvec_best: dict[str, float] = field(default_factory=dict)
     matvec_by_shape: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -67,6 +69,7 @@ class KernelReport:
             "bandwidth_gbs": self.bandwidth_gbs,
             "bandwidth_numpy_gbs": self.bandwidth_numpy_gbs,
             "bandwidth_runs_gbs": self.bandwidth_runs_gbs,
+            "int_path": self.int_path,
             "working_set_mb": self.working_set_mb,
             "matvec": self.matvec,
             "matvec_best": self.matvec_best,
@@ -283,7 +286,8 @@ def format_report(report: KernelReport) -> str:
             f"{report.matvec.get(kind, 0):>9.2f}{report.matvec_best.get(kind, 0):>8.2f}"
             f"{100 * report.roofline_share.get(kind, 0):>9.0f}%{report.fused_expert.get(kind, 0):>8.2f}"
         )
-    lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / stream GB/s")
+    lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / stream GB/s; "
+                 f"int8/int4 by {'integer dot products (AVX-512 VNNI)' if report.int_path == 'vnni' else 'float32 widening'}")
     if report.expert_read_gbs:
         lines.append(f"expert read (int4 2048x512 blob, page cache): {report.expert_read_us:.0f} us, {report.expert_read_gbs:.1f} GB/s")
     if report.per_core_cpu:

@@ -21,6 +21,9 @@ def test_bench_kernels_quick_json():
     report = json.loads(proc.stdout)
     assert report["bandwidth_gbs"] > 0 and math.isfinite(report["bandwidth_gbs"])
     assert report["bandwidth_gbs"] == max(report["bandwidth_runs_gbs"]) and len(report["bandwidth_runs_gbs"]) == 2
+    from tierlab.engine.kernels import qmatvec
+
+    assert report["int_path"] == ("vnni" if qmatvec._VNNI else "float")
     for kind in KINDS:
         rate = report["matvec"][kind]
         assert rate > 0 and math.isfinite(rate), (kind, rate)
