@@ -190,9 +190,10 @@ def test_fused_quantised_expert_matches_float64(rng, hidden, inter, bits):
     _close(y - y0.astype(np.float64), 0.375 * ref)
 
 
+@pytest.mark.parametrize("hidden,inter", [(192, 128), (70, 67)])
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
-def test_fused_raw_expert_matches_float64(rng, kind):
-    hidden, inter = 192, 128
+def test_fused_raw_expert_matches_float64(rng, kind, hidden, inter):
+    """(70, 67): a gate/up row left over after the two-row steps, and columns past whole lines."""
     mats = _expert(rng, hidden, inter)
     if kind == "fp32":
         typed = [m.astype(np.float32) for m in mats]
@@ -228,10 +229,11 @@ def test_zero_weight_expert_leaves_y_unchanged(rng):
     np.testing.assert_array_equal(y, np.arange(hidden, dtype=np.float32))
 
 
+@pytest.mark.parametrize("rows", [3, 65, 66, 67])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int4"])
-def test_matvec_with_an_odd_number_of_rows(rng, kind):
-    """The kernels step two rows at a time; the last odd row has its own path."""
-    rows, cols = 67, 128
+def test_matvec_with_rows_left_over_after_the_four_row_steps(rng, kind, rows):
+    """The kernels step four rows at a time; the 1-3 rows left over go one at a time."""
+    cols = 128
     w = rng.standard_normal((rows, cols))
     x = rng.standard_normal(cols).astype(np.float32)
     out = np.full(rows, np.nan, dtype=np.float32)

@@ -133,7 +133,7 @@ def _wide_vectors(typingctx):
 # row at the start of a step, as the fp32/bf16 loops once did, fills the
 # core's line-fill buffers in a burst and stalls its own loads: bf16 moved from
 # that to this scheme 1.2-1.3x faster; docs/benchmarks.md.)
-_AHEAD_BYTES = 4096
+_AHEAD_BYTES = 2048
 
 
 # --- explicit-vector group loops for int4 and int8 -----------------------------------------
@@ -141,8 +141,10 @@ _AHEAD_BYTES = 4096
 # shuffles and adds per group and row). Written out by hand, each row keeps a
 # 16-lane accumulator across all groups: per group, the products are summed
 # into 16 lanes with FMAs and then one FMA adds them times the group's scale.
-# int4 per core: 10.9 -> ~15 Gweights/s. Rows are passed as 1-D C-contiguous
-# views; two rows share every load of x.
+# int4 per core: 10.9 -> ~15 Gweights/s. Each call of a row intrinsic below
+# works on four rows of two 2-D matrices (rows r0, r1 of the first, r2, r3 of
+# the second), which share every load of x; the rows are found by pointer
+# arithmetic.
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -305,51 +307,78 @@ def _vnni_block(builder, q, s, block, digits, unit, corr, bits, half):
     return builder.fmul(builder.sitofp(acc, _V16F), weight, flags=_FAST)
 
 
-def _pair_vnni_loop(context, builder, signature, args, bits):
-    """Two rows by VNNI (see above); returns the (float32, float32) tuple."""
-    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
-    qa, sa, qb, sb, _x, digits, unit, corr = (a.data for a in arrays)
+def _row_start(context, builder, arr, index, index_type):
+    """Pointer to row `index` of a 2-D array struct: plain arithmetic, where a numba row
+    view would cost a reference count per row and step (1.4x on 2048x512 int4)."""
+    r = context.cast(builder, index, index_type, types.int64)
+    row_bytes = builder.extract_value(arr.strides, 0)
+    start = builder.gep(builder.bitcast(arr.data, _I8.as_pointer()), [builder.mul(r, row_bytes)])
+    return builder.bitcast(start, arr.data.type)
+
+
+def _four_rows(context, builder, signature, args, k):
+    """For args (m_1, ..., m_k, r0, r1, r2, r3, ...), where the first k/2 matrices give rows
+    r0 and r1 and the others rows r2 and r3 (weights a, scales a, weights b, scales b; or
+    a, b): for each of the first k/2 matrices, the four row pointers; and all k structs."""
+    arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in range(k)]
+    half = k // 2
+    rows = [[] for _ in range(half)]
+    for j in range(4):
+        first = 0 if j < 2 else half
+        for m in range(half):
+            rows[m].append(_row_start(context, builder, arrays[first + m], args[k + j], signature.args[k + j]))
+    return rows, arrays
+
+
+def _vnni_rows_loop(context, builder, signature, args, bits):
+    """Four rows by VNNI (see above); returns the 4-tuple of float32 dots."""
+    (qs, ss), arrays = _four_rows(context, builder, signature, args, 4)
+    n_groups = builder.extract_value(arrays[1].shape, 1)
+    digits, unit, corr = (context.make_array(t)(context, builder, v).data
+                          for t, v in zip(signature.args[9:12], args[9:12]))
     ahead = args[-1]
-    n_groups = builder.extract_value(arrays[1].shape, 0)
     blocks = builder.sdiv(n_groups, ir.Constant(_I64, 2)) if bits == 4 else n_groups
     zero = ir.Constant(_V16F, [0.0] * 16)
-    rows = ((qa, sa), (qb, sb))
 
-    def body(b, accs):
-        out = []
-        for (q, s), acc in zip(rows, accs):
-            _prefetch(builder, q, builder.add(builder.mul(b, ir.Constant(_I64, 64)), ahead))
-            out.append(builder.fadd(_vnni_block(builder, q, s, b, digits, unit, corr, bits, False), acc, flags=_FAST))
-        return out
+    def sweep(rows):
+        def body(b, accs):
+            out = []
+            for (q, s), acc in zip(rows, accs):
+                _prefetch(builder, q, builder.add(builder.mul(b, ir.Constant(_I64, 64)), ahead))
+                out.append(builder.fadd(_vnni_block(builder, q, s, b, digits, unit, corr, bits, False), acc, flags=_FAST))
+            return out
 
-    accs = _counted_loop(builder, blocks, [zero, zero], body)
-    if bits == 4:  # an odd last group
-        odd = builder.icmp_signed("!=", builder.srem(n_groups, ir.Constant(_I64, 2)), ir.Constant(_I64, 0))
-        before = builder.block
-        with builder.if_then(odd):
-            tails = [builder.fadd(_vnni_block(builder, q, s, blocks, digits, unit, corr, bits, True), acc, flags=_FAST)
-                     for (q, s), acc in zip(rows, accs)]
-            inside = builder.block
-        merged = []
-        for acc, tail in zip(accs, tails):
-            phi = builder.phi(_V16F)
-            phi.add_incoming(acc, before)
-            phi.add_incoming(tail, inside)
-            merged.append(phi)
-        accs = merged
-    results = [_reduce16(builder, acc) for acc in accs]
-    return context.make_tuple(builder, signature.return_type, results)
+        accs = _counted_loop(builder, blocks, [zero] * len(rows), body)
+        if bits == 4:  # an odd last group
+            odd = builder.icmp_signed("!=", builder.srem(n_groups, ir.Constant(_I64, 2)), ir.Constant(_I64, 0))
+            before = builder.block
+            with builder.if_then(odd):
+                tails = [builder.fadd(_vnni_block(builder, q, s, blocks, digits, unit, corr, bits, True), acc, flags=_FAST)
+                         for (q, s), acc in zip(rows, accs)]
+                inside = builder.block
+            merged = []
+            for acc, tail in zip(accs, tails):
+                phi = builder.phi(_V16F)
+                phi.add_incoming(acc, before)
+                phi.add_incoming(tail, inside)
+                merged.append(phi)
+            accs = merged
+        return [_reduce16(builder, acc) for acc in accs]
+
+    return context.make_tuple(builder, signature.return_type, sweep(list(zip(qs, ss))))
 
 
-def _pair_float_loop(context, builder, signature, args, bits):
-    """Two rows widened to float32 (CPUs without VNNI); returns the (float32, float32) tuple.
+def _float_rows_loop(context, builder, signature, args, bits):
+    """N rows widened to float32 (CPUs without VNNI); returns the N-tuple of float32 dots.
 
     int4 nibbles are used unsigned; the -8 comes back once per group as
     scale * 8 * sum(x in group), from `unit` (= 8 * group sums of x here)."""
-    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:-1], args[:-1])]
-    qa, sa, qb, sb, x, _digits, xsum8, _corr = (a.data for a in arrays)
+    (qs, ss), arrays = _four_rows(context, builder, signature, args, 4)
+    n_groups = builder.extract_value(arrays[1].shape, 1)
+    x, _digits, xsum8 = (context.make_array(t)(context, builder, v).data
+                         for t, v in zip(signature.args[8:11], args[8:11]))
     ahead = args[-1]
-    n_groups = builder.extract_value(arrays[1].shape, 0)
+    n = len(qs)
     zero_v, zero_f = ir.Constant(_V16F, [0.0] * 16), ir.Constant(_F32, 0.0)
     group_bytes = ir.Constant(_I64, GROUP * bits // 8)
 
@@ -357,7 +386,7 @@ def _pair_float_loop(context, builder, signature, args, bits):
         x0 = builder.mul(g, ir.Constant(_I64, GROUP))
         x_pieces = [_load_vec(builder, x, builder.add(x0, ir.Constant(_I64, 16 * k)), _V16F, 4) for k in range(4)]
         accs, offs = [], []
-        for q, s, acc, off in ((qa, sa, carried[0], carried[2]), (qb, sb, carried[1], carried[3])):
+        for q, s, acc, off in zip(qs, ss, carried[:n], carried[n:]):
             _prefetch(builder, q, builder.add(builder.mul(g, group_bytes), ahead))
             scale = builder.load(builder.gep(s, [g]))
             if bits == 4:
@@ -375,54 +404,50 @@ def _pair_float_loop(context, builder, signature, args, bits):
             offs.append(off)
         return accs + offs
 
-    a, b, off_a, off_b = _counted_loop(builder, n_groups, [zero_v, zero_v, zero_f, zero_f], body)
-    results = [builder.fsub(_reduce16(builder, acc), off, flags=_FAST) for acc, off in ((a, off_a), (b, off_b))]
+    finals = _counted_loop(builder, n_groups, [zero_v] * n + [zero_f] * n, body)
+    results = [builder.fsub(_reduce16(builder, acc), off, flags=_FAST) for acc, off in zip(finals[:n], finals[n:])]
     return context.make_tuple(builder, signature.return_type, results)
 
 
-def _pair_dot(bits, qa, sa, qb, sb, x, digits, unit, corr, ahead):
-    """Typing and code for the two intrinsics below."""
-    weight = types.uint8 if bits == 4 else types.int8
-    if not (_row_view_ok(qa, weight) and _row_view_ok(qb, weight)
-            and all(_row_view_ok(t, types.float32) for t in (sa, sb, x, unit))
-            and _row_view_ok(digits, types.int8) and _row_view_ok(corr, types.int32)
-            and isinstance(ahead, types.Integer)):
+def _matrix_ok(t, dtype) -> bool:
+    return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == dtype
+
+
+@intrinsic
+def _quant_rows_dot(typingctx, qa, sa, qb, sb, r0, r1, r2, r3, x, digits, unit, corr, ahead):
+    """(row . x for rows r0, r1 of (qa, sa) and r2, r3 of (qb, sb)): int4 (planar-nibble
+    uint8) or int8 weights, 2-D, with their scales; (digits, unit, corr): x as _prepare_x
+    gives it; `ahead`: bytes from each row to the place a later step reads (prefetched as
+    the loop goes)."""
+    weight = qa.dtype if isinstance(qa, types.Array) else None
+    if not (weight in (types.uint8, types.int8) and _matrix_ok(qa, weight) and _matrix_ok(qb, weight)
+            and _matrix_ok(sa, types.float32) and _matrix_ok(sb, types.float32)
+            and all(isinstance(r, types.Integer) for r in (r0, r1, r2, r3, ahead))
+            and all(_row_view_ok(t, types.float32) for t in (x, unit))
+            and _row_view_ok(digits, types.int8) and _row_view_ok(corr, types.int32)):
         return None
-    sig = types.UniTuple(types.float32, 2)(qa, sa, qb, sb, x, digits, unit, corr, types.int64)
-    emit = _pair_vnni_loop if _VNNI else _pair_float_loop
+    bits = 4 if weight == types.uint8 else 8
+    sig = types.UniTuple(types.float32, 4)(qa, sa, qb, sb, r0, r1, r2, r3, x, digits, unit, corr, types.int64)
+    emit = _vnni_rows_loop if _VNNI else _float_rows_loop
     return sig, lambda context, builder, signature, args: emit(context, builder, signature, args, bits)
 
 
-@intrinsic
-def _int4_pair_dot(typingctx, qa, sa, qb, sb, x, digits, unit, corr, ahead):
-    """(row_a . x, row_b . x) for two planar-nibble int4 rows (uint8 views) and their scales;
-    (digits, unit, corr): x as _prepare_x gives it; `ahead`: bytes from each row to the
-    place the step at least _AHEAD_BYTES later reads (prefetched as the loop goes)."""
-    return _pair_dot(4, qa, sa, qb, sb, x, digits, unit, corr, ahead)
-
-
-@intrinsic
-def _int8_pair_dot(typingctx, qa, sa, qb, sb, x, digits, unit, corr, ahead):
-    """The same for two int8 rows."""
-    return _pair_dot(8, qa, sa, qb, sb, x, digits, unit, corr, ahead)
-
-
-def _raw_pair_loop(context, builder, signature, args):
-    """Two fp32 or bf16 rows, 64 bytes of each per iteration, prefetching `ahead` bytes on."""
-    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3])]
-    a, b, x = (arr.data for arr in arrays)
-    ahead = args[3]
+def _raw_rows_loop(context, builder, signature, args):
+    """N fp32 or bf16 rows, 64 bytes of each per iteration, prefetching `ahead` bytes on."""
+    (rows,), (a, _b) = _four_rows(context, builder, signature, args, 2)
+    x = context.make_array(signature.args[6])(context, builder, args[6]).data
+    ahead = args[7]
     bf16 = signature.args[0].dtype == types.uint16
     per_line = 32 if bf16 else 16  # weights in 64 bytes
     pieces = per_line // 16
-    lines = builder.sdiv(builder.extract_value(arrays[0].shape, 0), ir.Constant(_I64, per_line))
+    lines = builder.sdiv(builder.extract_value(a.shape, 1), ir.Constant(_I64, per_line))
     zero = ir.Constant(_V16F, [0.0] * 16)
 
     def body(i, accs):
         start = builder.mul(i, ir.Constant(_I64, per_line))
         xs = [_load_vec(builder, x, builder.add(start, ir.Constant(_I64, 16 * k)), _V16F, 4) for k in range(pieces)]
         out = []
-        for r, row in enumerate((a, b)):
+        for r, row in enumerate(rows):
             _prefetch(builder, row, builder.add(builder.mul(i, ir.Constant(_I64, 64)), ahead))
             if bf16:  # the bf16 bits are the high half of the float32
                 raw = _load_vec(builder, row, start, ir.VectorType(ir.IntType(16), 32), 2)
@@ -434,9 +459,9 @@ def _raw_pair_loop(context, builder, signature, args):
                 out.append(builder.fadd(builder.fmul(ws[k], xs[k], flags=_FAST), accs[r * pieces + k], flags=_FAST))
         return out
 
-    accs = _counted_loop(builder, lines, [zero] * (2 * pieces), body)
+    accs = _counted_loop(builder, lines, [zero] * (len(rows) * pieces), body)
     sums = []
-    for r in range(2):
+    for r in range(len(rows)):
         total = accs[r * pieces]
         for k in range(1, pieces):
             total = builder.fadd(total, accs[r * pieces + k], flags=_FAST)
@@ -445,22 +470,21 @@ def _raw_pair_loop(context, builder, signature, args):
 
 
 @intrinsic
-def _raw_pair_dot(typingctx, a, b, x, ahead):
-    """(a . x, b . x) over the first whole 64 bytes of two fp32 or bf16 (uint16) rows (1-D
-    views of one dtype); the caller adds the last few columns. The int8/int4 prefetch
-    scheme carried over: from DRAM, bf16 1.2-1.3x over LLVM's own loop with whole next rows
-    prefetched at the start of each step (docs/benchmarks.md)."""
-    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a == b
-            and a.dtype in (types.uint16, types.float32) and _row_view_ok(x, types.float32)
-            and isinstance(ahead, types.Integer)):
+def _raw_rows_dot(typingctx, a, b, r0, r1, r2, r3, x, ahead):
+    """(row . x for rows r0, r1 of a and r2, r3 of b) over the first whole 64 bytes of each
+    row of two fp32 or bf16 (uint16) matrices; the caller adds the last few columns."""
+    dtype = a.dtype if isinstance(a, types.Array) else None
+    if not (dtype in (types.uint16, types.float32) and _matrix_ok(a, dtype) and _matrix_ok(b, dtype)
+            and all(isinstance(r, types.Integer) for r in (r0, r1, r2, r3, ahead))
+            and _row_view_ok(x, types.float32)):
         return None
-    return types.UniTuple(types.float32, 2)(a, b, x, types.int64), _raw_pair_loop
+    return types.UniTuple(types.float32, 4)(a, b, r0, r1, r2, r3, x, types.int64), _raw_rows_loop
 
 
-# --- row dot products (LLVM inlines them into the parallel loops) --------------------------
-# Each kind has a one-row and a two-row dot. Two rows share every load of x,
-# which is what makes the int4 and bf16 loops fast (~1.3-1.8x over one row);
-# the two rows may come from different matrices (gate row i with up row i).
+# --- helpers of the row passes -------------------------------------------------------------
+# Rows that share the loads of x are what makes the loops fast (two rows over
+# one: ~1.3-1.8x; four over two: up to 1.2x from DRAM); in GATE_UP the rows come
+# from two matrices (gate rows i, i+1 with up rows i, i+1).
 
 
 def _as_f32(v):
@@ -475,28 +499,20 @@ def _as_f32_impl(v):
 
 
 @njit(**_SERIAL)
-def _dot2_raw(a, ra, b, rb, x, ahead):
-    """Row ra of a and row rb of b (fp32 or bf16) dotted with x."""
-    _wide_vectors()
-    va, vb = _raw_pair_dot(a[ra], b[rb], x, ahead)
+def _raw_columns_left(a, b, r0, r1, r2, r3, x, v0, v1, v2, v3):
+    """Add the columns past the last whole 64 bytes of each row to _raw_rows_dot's sums.
+
+    The passes call the intrinsics directly and only small helpers like this one: an njit
+    function around an intrinsic that large is not inlined, and a call per step cost
+    2048x512 int4 a third of its speed."""
     n = x.shape[0]
     for c in range(n - n % (64 // a.itemsize), n):
-        va += _as_f32(a[ra, c]) * x[c]
-        vb += _as_f32(b[rb, c]) * x[c]
-    return va, vb
-
-
-def _quant_pair_dot(qa, sa, qb, sb, x, digits, unit, corr, ahead):
-    """Two rows of an int4 (uint8) or int8 matrix: the intrinsic for the weights' type."""
-
-
-@overload(_quant_pair_dot)
-def _quant_pair_dot_impl(qa, sa, qb, sb, x, digits, unit, corr, ahead):
-    if qa.dtype == types.uint8:
-        return lambda qa, sa, qb, sb, x, digits, unit, corr, ahead: _int4_pair_dot(
-            qa, sa, qb, sb, x, digits, unit, corr, ahead)
-    return lambda qa, sa, qb, sb, x, digits, unit, corr, ahead: _int8_pair_dot(
-        qa, sa, qb, sb, x, digits, unit, corr, ahead)
+        xc = x[c]
+        v0 += _as_f32(a[r0, c]) * xc
+        v1 += _as_f32(a[r1, c]) * xc
+        v2 += _as_f32(b[r2, c]) * xc
+        v3 += _as_f32(b[r3, c]) * xc
+    return v0, v1, v2, v3
 
 
 def _bits_of(q):
@@ -521,7 +537,7 @@ def _prepared_sizes(cols, bits):
 
 @njit(**_SERIAL)
 def _prepare_into(x, bits, digits, unit, corr):
-    """Write x in the form the pair dots read (see the VNNI note above _VNNI).
+    """Write x in the form the row intrinsics read (see the VNNI note above _VNNI).
 
     VNNI: per 64-byte block of a row, `digits` holds 3 digits x operands x 64
     bytes lined up with the weight bytes they multiply, `unit` the 16 lanes' units
@@ -598,7 +614,7 @@ def _put_digits(big, digits, at, span):
 
 @njit(**_SERIAL)
 def _prepare_x(x, bits):
-    """x prepared for one call of the pair dots: (digits, unit, corr)."""
+    """x prepared for one pass of the row intrinsics: (digits, unit, corr)."""
     n_digits, n_unit, n_corr = _prepared_sizes(x.shape[0], bits)
     digits = np.empty(n_digits, np.int8)
     unit = np.empty(n_unit, np.float32)
@@ -609,25 +625,19 @@ def _prepare_x(x, bits):
 
 @njit(**_SERIAL)
 def _ahead_bytes(q, mode):
-    """How far ahead the row loops prefetch: the same place in the rows of the step at
-    least _AHEAD_BYTES of this matrix later (a step reads rows 2p and 2p+1 of one matrix,
-    or row p of two matrices in GATE_UP mode)."""
+    """How far ahead the row loops prefetch: the same place in the rows of a step at least
+    _AHEAD_BYTES of rows later (a step reads rows 4p..4p+3 of one matrix, or rows 2p, 2p+1
+    of two matrices in GATE_UP mode)."""
     row = np.int64(q.strides[0])
     steps = max(np.int64(1), (np.int64(_AHEAD_BYTES) + row - 1) // row)
-    return row * steps * (1 if mode == GATE_UP else 2)
-
-
-@njit(**_SERIAL)
-def _dot2_quant(qa, sa, ra, qb, sb, rb, x, digits, unit, corr, ahead):
-    """Row ra of (qa, sa) and row rb of (qb, sb) dotted with x, prepared as (digits, unit, corr)."""
-    _wide_vectors()
-    return _quant_pair_dot(qa[ra], sa[ra], qb[rb], sb[rb], x, digits, unit, corr, ahead)
+    return row * steps * (2 if mode == GATE_UP else 4)
 
 
 # --- row passes: one parallel loop per kind serves the matvec and both expert halves -------
 # Modes: SET out[r] = row r . x; ADD out[r] += w * (row r . x); GATE_UP out[i] =
-# silu(a_i . x) * (b_i . x). One parallel function per kind (rather than one per
-# use) keeps numba's cold compile short, which CI pays on every run.
+# silu(a_i . x) * (b_i . x). One parallel function per weight layout (rather than
+# one per use) keeps numba's cold compile short (~18 s for everything), which CI
+# pays on every run.
 
 SET, ADD, GATE_UP = 0, 1, 2
 
@@ -637,39 +647,42 @@ def _silu_mul(g, u):
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
-@njit(**_SERIAL)
-def _pair_rows(mode, p):
-    """The two rows step p works on: (p, p) of two matrices for GATE_UP, else (2p, 2p+1)."""
-    i = np.int64(p)  # prange indices may be unsigned; keep both branches int64
-    if mode == GATE_UP:
-        return i, i
-    return 2 * i, 2 * i + 1
+# Each pass has one parallel loop for GATE_UP and one for SET/ADD, chosen before the loop:
+# with the mode decided inside the loop (which rows, which store) the same 2048x512 int4
+# pass ran at 0.7x (interleaved A/B). Four rows per step share every load of x: for
+# SET/ADD rows 4p..4p+3 of one matrix, for GATE_UP gate rows 2p, 2p+1 with up rows 2p, 2p+1.
 
 
 @njit(**_SERIAL)
-def _store(mode, out, ra, a, rb, b, w):
+def _store4(out, r, v0, v1, v2, v3, w, add):
+    """out[r..r+3] = v, or += w * v."""
+    if add:
+        out[r] += w * v0
+        out[r + 1] += w * v1
+        out[r + 2] += w * v2
+        out[r + 3] += w * v3
+    else:
+        out[r] = v0
+        out[r + 1] = v1
+        out[r + 2] = v2
+        out[r + 3] = v3
+
+
+@njit(**_SERIAL)
+def _store_one(mode, out, r, va, vb, w):
+    """A row left over after the steps: va = row r of the first matrix . x, vb = of the second."""
     if mode == GATE_UP:
-        out[ra] = _silu_mul(a, b)
+        out[r] = _silu_mul(va, vb)
     elif mode == ADD:
-        out[ra] += w * a
-        out[rb] += w * b
+        out[r] += w * va
     else:
-        out[ra] = a
-        out[rb] = b
+        out[r] = va
 
 
 @njit(**_SERIAL)
-def _store_last(mode, out, r, v, w):
-    """The odd last row of a SET/ADD pass."""
-    if mode == ADD:
-        out[r] += w * v
-    else:
-        out[r] = v
-
-
-@njit(**_SERIAL)
-def _steps(mode, rows):
-    return rows if mode == GATE_UP else rows // 2
+def _first_left_over(mode, rows):
+    """The first row the four-row (GATE_UP: two-row) steps leave to be done one at a time."""
+    return rows - rows % (2 if mode == GATE_UP else 4)
 
 
 @njit(**_PARALLEL)
@@ -678,14 +691,22 @@ def _pass_raw(a, b, x, out, mode, w):
     _wide_vectors()
     wf = np.float32(w)
     ahead = _ahead_bytes(a, mode)
-    for p in prange(_steps(mode, a.shape[0])):
-        ra, rb = _pair_rows(mode, p)
-        va, vb = _dot2_raw(a, ra, b, rb, x, ahead)
-        _store(mode, out, ra, va, rb, vb, wf)
-    if mode != GATE_UP and a.shape[0] % 2:
-        r = a.shape[0] - 1
-        v, _ = _dot2_raw(a, r, a, r, x, ahead)
-        _store_last(mode, out, r, v, wf)
+    if mode == GATE_UP:
+        for p in prange(a.shape[0] // 2):
+            r = 2 * p
+            g0, g1, u0, u1 = _raw_columns_left(a, b, r, r + 1, r, r + 1, x,
+                                               *_raw_rows_dot(a, b, r, r + 1, r, r + 1, x, ahead))
+            out[r] = _silu_mul(g0, u0)
+            out[r + 1] = _silu_mul(g1, u1)
+    else:
+        for p in prange(a.shape[0] // 4):
+            r = 4 * p
+            v0, v1, v2, v3 = _raw_columns_left(a, a, r, r + 1, r + 2, r + 3, x,
+                                               *_raw_rows_dot(a, a, r, r + 1, r + 2, r + 3, x, ahead))
+            _store4(out, r, v0, v1, v2, v3, wf, mode == ADD)
+    for r in range(_first_left_over(mode, a.shape[0]), a.shape[0]):
+        va, _, vb, _ = _raw_columns_left(a, b, r, r, r, r, x, *_raw_rows_dot(a, b, r, r, r, r, x, ahead))
+        _store_one(mode, out, r, va, vb, wf)
 
 
 @njit(**_PARALLEL)
@@ -695,14 +716,20 @@ def _pass_quant(qa, sa, qb, sb, x, out, mode, w):
     wf = np.float32(w)
     digits, unit, corr = _prepare_x(x, _bits_of(qa))
     ahead = _ahead_bytes(qa, mode)
-    for p in prange(_steps(mode, qa.shape[0])):
-        ra, rb = _pair_rows(mode, p)
-        va, vb = _dot2_quant(qa, sa, ra, qb, sb, rb, x, digits, unit, corr, ahead)
-        _store(mode, out, ra, va, rb, vb, wf)
-    if mode != GATE_UP and qa.shape[0] % 2:
-        r = qa.shape[0] - 1
-        v, _ = _dot2_quant(qa, sa, r, qa, sa, r, x, digits, unit, corr, ahead)
-        _store_last(mode, out, r, v, wf)
+    if mode == GATE_UP:
+        for p in prange(qa.shape[0] // 2):
+            r = 2 * p
+            g0, g1, u0, u1 = _quant_rows_dot(qa, sa, qb, sb, r, r + 1, r, r + 1, x, digits, unit, corr, ahead)
+            out[r] = _silu_mul(g0, u0)
+            out[r + 1] = _silu_mul(g1, u1)
+    else:
+        for p in prange(qa.shape[0] // 4):
+            r = 4 * p
+            v0, v1, v2, v3 = _quant_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x, digits, unit, corr, ahead)
+            _store4(out, r, v0, v1, v2, v3, wf, mode == ADD)
+    for r in range(_first_left_over(mode, qa.shape[0]), qa.shape[0]):
+        va, _, vb, _ = _quant_rows_dot(qa, sa, qb, sb, r, r, r, r, x, digits, unit, corr, ahead)
+        _store_one(mode, out, r, va, vb, wf)
 
 
 # --- the same row passes over several tokens ------------------------------------------------
@@ -716,22 +743,34 @@ def _pass_quant(qa, sa, qb, sb, x, out, mode, w):
 def _tokens_raw(a, b, x, out, mode):
     """fp32 (float32) or bf16 (uint16) weights."""
     _wide_vectors()
+    one = np.float32(1.0)
     ahead = _ahead_bytes(a, mode)
-    for p in prange(_steps(mode, a.shape[0])):
-        ra, rb = _pair_rows(mode, p)
+    if mode == GATE_UP:
+        for p in prange(a.shape[0] // 2):
+            r = 2 * p
+            for t in range(x.shape[0]):
+                g0, g1, u0, u1 = _raw_columns_left(a, b, r, r + 1, r, r + 1, x[t],
+                                                   *_raw_rows_dot(a, b, r, r + 1, r, r + 1, x[t], ahead))
+                out[t, r] = _silu_mul(g0, u0)
+                out[t, r + 1] = _silu_mul(g1, u1)
+    else:
+        for p in prange(a.shape[0] // 4):
+            r = 4 * p
+            for t in range(x.shape[0]):
+                v0, v1, v2, v3 = _raw_columns_left(a, a, r, r + 1, r + 2, r + 3, x[t],
+                                                   *_raw_rows_dot(a, a, r, r + 1, r + 2, r + 3, x[t], ahead))
+                _store4(out[t], r, v0, v1, v2, v3, one, False)
+    for r in range(_first_left_over(mode, a.shape[0]), a.shape[0]):
         for t in range(x.shape[0]):
-            va, vb = _dot2_raw(a, ra, b, rb, x[t], ahead)
-            _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
-    if mode != GATE_UP and a.shape[0] % 2:
-        r = a.shape[0] - 1
-        for t in range(x.shape[0]):
-            out[t, r], _ = _dot2_raw(a, r, a, r, x[t], ahead)
+            va, _, vb, _ = _raw_columns_left(a, b, r, r, r, r, x[t], *_raw_rows_dot(a, b, r, r, r, r, x[t], ahead))
+            _store_one(mode, out[t], r, va, vb, one)
 
 
 @njit(**_PARALLEL)
 def _tokens_quant(qa, sa, qb, sb, x, out, mode):
     """int8 or int4 (planar-nibble uint8) weights."""
     _wide_vectors()
+    one = np.float32(1.0)
     bits = _bits_of(qa)
     n_digits, n_unit, n_corr = _prepared_sizes(x.shape[1], bits)
     digits = np.empty((x.shape[0], n_digits), np.int8)
@@ -740,15 +779,23 @@ def _tokens_quant(qa, sa, qb, sb, x, out, mode):
     for t in range(x.shape[0]):
         _prepare_into(x[t], bits, digits[t], unit[t], corr[t])
     ahead = _ahead_bytes(qa, mode)
-    for p in prange(_steps(mode, qa.shape[0])):
-        ra, rb = _pair_rows(mode, p)
+    if mode == GATE_UP:
+        for p in prange(qa.shape[0] // 2):
+            r = 2 * p
+            for t in range(x.shape[0]):
+                g0, g1, u0, u1 = _quant_rows_dot(qa, sa, qb, sb, r, r + 1, r, r + 1, x[t], digits[t], unit[t], corr[t], ahead)
+                out[t, r] = _silu_mul(g0, u0)
+                out[t, r + 1] = _silu_mul(g1, u1)
+    else:
+        for p in prange(qa.shape[0] // 4):
+            r = 4 * p
+            for t in range(x.shape[0]):
+                v0, v1, v2, v3 = _quant_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x[t], digits[t], unit[t], corr[t], ahead)
+                _store4(out[t], r, v0, v1, v2, v3, one, False)
+    for r in range(_first_left_over(mode, qa.shape[0]), qa.shape[0]):
         for t in range(x.shape[0]):
-            va, vb = _dot2_quant(qa, sa, ra, qb, sb, rb, x[t], digits[t], unit[t], corr[t], ahead)
-            _store(mode, out[t], ra, va, rb, vb, np.float32(1.0))
-    if mode != GATE_UP and qa.shape[0] % 2:
-        r = qa.shape[0] - 1
-        for t in range(x.shape[0]):
-            out[t, r], _ = _dot2_quant(qa, sa, r, qa, sa, r, x[t], digits[t], unit[t], corr[t], ahead)
+            va, _, vb, _ = _quant_rows_dot(qa, sa, qb, sb, r, r, r, r, x[t], digits[t], unit[t], corr[t], ahead)
+            _store_one(mode, out[t], r, va, vb, one)
 
 
 # --- public entry points --------------------------------------------------------------------
