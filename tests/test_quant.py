@@ -84,36 +84,29 @@ def test_blob_layout_sizes():
 SHAPES = [(64, 64), (96, 320), (512, 2048), (2048, 512)]
 
 
+def _quant_matvec(q, s, x, bits):
+    """The int4 or int8 kernel's dequant(q, s) @ x, into a NaN-filled output."""
+    out = np.full(q.shape[0], np.nan, dtype=np.float32)
+    if bits == 4:
+        K.matvec_int4(Q.pack_int4(q), s, x, out)
+    else:
+        K.matvec_int8(q, s, x, out)
+    return out
+
+
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantised_matvec_matches_float64(rng, rows, cols, bits):
     w = rng.standard_normal((rows, cols))
     q, s = Q.quantize(w, bits)
     x = rng.standard_normal(cols).astype(np.float32)
-    ref = Q.dequantize(q, s) @ x.astype(np.float64)
-    out = np.full(rows, np.nan, dtype=np.float32)
-    if bits == 4:
-        K.matvec_int4(Q.pack_int4(q), s, x, out)
-    else:
-        K.matvec_int8(q, s, x, out)
-    _close(out, ref)
+    _close(_quant_matvec(q, s, x, bits), Q.dequantize(q, s) @ x.astype(np.float64))
 
 
-@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("rows,cols", SHAPES + [(7, 45), (9, 200), (3, 8)])
 def test_bf16_and_fp32_matvec_match_float64(rng, rows, cols):
-    w = rng.standard_normal((rows, cols)).astype(np.float32)
-    x = rng.standard_normal(cols).astype(np.float32)
-    out = np.empty(rows, dtype=np.float32)
-    K.matvec_fp32(w, x, out)
-    _close(out, w.astype(np.float64) @ x)
-    wb = w.astype(ml_dtypes.bfloat16)
-    K.matvec_bf16(wb.view(np.uint16), x, out)
-    _close(out, wb.astype(np.float64) @ x)
-
-
-@pytest.mark.parametrize("rows,cols", [(7, 45), (9, 200), (3, 8)])
-def test_bf16_and_fp32_matvec_with_columns_beyond_whole_64_byte_lines(rng, rows, cols):
-    """The row loops take 64 bytes at a time; the last few columns are added after them."""
+    """(7, 45), (9, 200), (3, 8): the row loops take 64 bytes at a time, and the last few
+    columns are added after them."""
     w = rng.standard_normal((rows, cols)).astype(np.float32)
     x = rng.standard_normal(cols).astype(np.float32)
     out = np.empty(rows, dtype=np.float32)
@@ -159,11 +152,7 @@ def test_integer_matvec_at_the_extremes_of_weights_and_x(rng, bits):
           np.full(cols, 1e-40, np.float32)]
     for x in xs:
         ref = Q.dequantize(q, s) @ x.astype(np.float64)
-        out = np.full(rows, np.nan, dtype=np.float32)
-        if bits == 4:
-            K.matvec_int4(Q.pack_int4(q), s, x, out)
-        else:
-            K.matvec_int8(q, s, x, out)
+        out = _quant_matvec(q, s, x, bits)
         counted_as_zero = np.abs(Q.dequantize(q, s)).sum(axis=1) * 2.4e-32
         np.testing.assert_array_less(np.abs(out - ref), 1e-5 * np.abs(ref).max() + counted_as_zero)
 
