@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit, prange
 
 from tierlab.engine import hugepages
 from tierlab.engine.kernels import qmatvec as K
@@ -26,20 +25,6 @@ from tierlab.engine.quant import GROUP
 SHAPES = ((512, 2048), (2048, 512))
 KINDS = ("fp32", "bf16", "int8", "int4")
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / GROUP, "int4": 0.5 + 4.0 / GROUP}
-
-
-@njit(nogil=True, cache=True, fastmath=True, parallel=True)
-def _stream_read(a, ones):
-    """Read all of a float32 [rows, 1024] the way the matvec kernels read their rows (64
-    bytes of four rows per iteration, prefetching ahead), with one multiply-add per 4 bytes:
-    the read bandwidth those loops can reach (a plain prange sum: 0-15% slower, measured)."""
-    ahead = K._ahead_bytes(a, K.SET)
-    total = np.float32(0.0)
-    for p in prange(a.shape[0] // 4):
-        r = 4 * p
-        v0, v1, v2, v3 = K._raw_rows_dot(a, a, r, r + 1, r + 2, r + 3, ones, ahead)
-        total += v0 + v1 + v2 + v3
-    return total
 
 
 @dataclass
@@ -121,10 +106,14 @@ def _cpu_time_rate(call, weights: int, n_calls: int) -> float:
 def measure_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
     """(2-thread read GB/s by the kernels' row loop, numpy 1-thread sum GB/s), median over
     repeats, of a buffer on huge pages as the engine's weights are."""
+    # an fp32 matvec over the whole buffer: the kernels' own row loop (64 bytes of four rows
+    # per iteration, prefetching ahead) with one multiply-add per 4 bytes, i.e. the read
+    # bandwidth those loops can reach (a plain prange sum: 0-15% slower, measured)
     a = hugepages.empty((max(4, nbytes // 4096), 1024), np.float32)
     a[:] = 1.0
     ones = np.ones(1024, dtype=np.float32)
-    numba_t = _time_calls(lambda i: _stream_read(a, ones), repeats, 0.0).median_s
+    out = np.empty(a.shape[0], dtype=np.float32)
+    numba_t = _time_calls(lambda i: K.matvec_fp32(a, ones, out), repeats, 0.0).median_s
     numpy_t = _time_calls(lambda i: a.sum(), max(2, repeats // 2), 0.0).median_s
     return a.nbytes / numba_t / 1e9, a.nbytes / numpy_t / 1e9
 

@@ -414,29 +414,35 @@ def _matrix_ok(t, dtype) -> bool:
 
 
 @intrinsic
-def _quant_rows_dot(typingctx, qa, sa, qb, sb, r0, r1, r2, r3, x, digits, unit, corr, ahead):
-    """(row . x for rows r0, r1 of (qa, sa) and r2, r3 of (qb, sb)): int4 (planar-nibble
-    uint8) or int8 weights, 2-D, with their scales; (digits, unit, corr): x as _prepare_x
-    gives it; `ahead`: bytes from each row to the place a later step reads (prefetched as
-    the loop goes)."""
-    weight = qa.dtype if isinstance(qa, types.Array) else None
-    if not (weight in (types.uint8, types.int8) and _matrix_ok(qa, weight) and _matrix_ok(qb, weight)
-            and _matrix_ok(sa, types.float32) and _matrix_ok(sb, types.float32)
+def _rows_dot(typingctx, a, sa, b, sb, r0, r1, r2, r3, x, digits, unit, corr, ahead):
+    """(row . x for rows r0, r1 of a and r2, r3 of b), 2-D weights of one kind: fp32, bf16
+    (uint16), int8, or int4 (planar-nibble uint8) with their scales sa, sb (ignored for
+    fp32 and bf16, whose columns past the last whole 64 bytes _columns_left adds);
+    (digits, unit, corr): x as _prepare_x gives it; `ahead`: bytes from each row to the
+    place a later step reads (prefetched as the loop goes)."""
+    kind = a.dtype if isinstance(a, types.Array) else None
+    if not (kind in (types.float32, types.uint16, types.uint8, types.int8)
+            and _matrix_ok(a, kind) and _matrix_ok(b, kind)
             and all(isinstance(r, types.Integer) for r in (r0, r1, r2, r3, ahead))
             and all(_row_view_ok(t, types.float32) for t in (x, unit))
             and _row_view_ok(digits, types.int8) and _row_view_ok(corr, types.int32)):
         return None
-    bits = 4 if weight == types.uint8 else 8
-    sig = types.UniTuple(types.float32, 4)(qa, sa, qb, sb, r0, r1, r2, r3, x, digits, unit, corr, types.int64)
+    sig = types.UniTuple(types.float32, 4)(a, sa, b, sb, r0, r1, r2, r3, x, digits, unit, corr, types.int64)
+    if kind in (types.float32, types.uint16):
+        return sig, _raw_rows_loop
+    if not (_matrix_ok(sa, types.float32) and _matrix_ok(sb, types.float32)):
+        return None
+    bits = 4 if kind == types.uint8 else 8
     emit = _vnni_rows_loop if _VNNI else _float_rows_loop
     return sig, lambda context, builder, signature, args: emit(context, builder, signature, args, bits)
 
 
 def _raw_rows_loop(context, builder, signature, args):
-    """N fp32 or bf16 rows, 64 bytes of each per iteration, prefetching `ahead` bytes on."""
-    (rows,), (a, _b) = _four_rows(context, builder, signature, args, 2)
-    x = context.make_array(signature.args[6])(context, builder, args[6]).data
-    ahead = args[7]
+    """Four fp32 or bf16 rows, 64 bytes of each per iteration, prefetching `ahead` bytes on
+    (the columns past the last whole 64 bytes are left to _columns_left)."""
+    (rows, _no_scales), (a, *_rest) = _four_rows(context, builder, signature, args, 4)
+    x = context.make_array(signature.args[8])(context, builder, args[8]).data
+    ahead = args[-1]
     bf16 = signature.args[0].dtype == types.uint16
     per_line = 32 if bf16 else 16  # weights in 64 bytes
     pieces = per_line // 16
@@ -469,18 +475,6 @@ def _raw_rows_loop(context, builder, signature, args):
     return context.make_tuple(builder, signature.return_type, sums)
 
 
-@intrinsic
-def _raw_rows_dot(typingctx, a, b, r0, r1, r2, r3, x, ahead):
-    """(row . x for rows r0, r1 of a and r2, r3 of b) over the first whole 64 bytes of each
-    row of two fp32 or bf16 (uint16) matrices; the caller adds the last few columns."""
-    dtype = a.dtype if isinstance(a, types.Array) else None
-    if not (dtype in (types.uint16, types.float32) and _matrix_ok(a, dtype) and _matrix_ok(b, dtype)
-            and all(isinstance(r, types.Integer) for r in (r0, r1, r2, r3, ahead))
-            and _row_view_ok(x, types.float32)):
-        return None
-    return types.UniTuple(types.float32, 4)(a, b, r0, r1, r2, r3, x, types.int64), _raw_rows_loop
-
-
 # --- helpers of the row passes -------------------------------------------------------------
 # Rows that share the loads of x are what makes the loops fast (two rows over
 # one: ~1.3-1.8x; four over two: up to 1.2x from DRAM); in GATE_UP the rows come
@@ -498,30 +492,36 @@ def _as_f32_impl(v):
     return lambda v: _bf16_f32(v)
 
 
-@njit(**_SERIAL)
-def _raw_columns_left(a, b, r0, r1, r2, r3, x, v0, v1, v2, v3):
-    """Add the columns past the last whole 64 bytes of each row to _raw_rows_dot's sums.
+def _columns_left(a, b, r0, r1, r2, r3, x, v0, v1, v2, v3):
+    """(v0..v3) plus the columns past the last whole 64 bytes of each row (fp32 and bf16;
+    int8 and int4 rows are whole groups of 64, so their sums come back as they are)."""
 
-    The passes call the intrinsics directly and only small helpers like this one: an njit
-    function around an intrinsic that large is not inlined, and a call per step cost
-    2048x512 int4 a third of its speed."""
-    n = x.shape[0]
-    for c in range(n - n % (64 // a.itemsize), n):
-        xc = x[c]
-        v0 += _as_f32(a[r0, c]) * xc
-        v1 += _as_f32(a[r1, c]) * xc
-        v2 += _as_f32(b[r2, c]) * xc
-        v3 += _as_f32(b[r3, c]) * xc
-    return v0, v1, v2, v3
+
+@overload(_columns_left)
+def _columns_left_impl(a, b, r0, r1, r2, r3, x, v0, v1, v2, v3):
+    if a.dtype not in (types.float32, types.uint16):
+        return lambda a, b, r0, r1, r2, r3, x, v0, v1, v2, v3: (v0, v1, v2, v3)
+
+    def add_columns(a, b, r0, r1, r2, r3, x, v0, v1, v2, v3):
+        n = x.shape[0]
+        for c in range(n - n % (64 // a.itemsize), n):
+            xc = x[c]
+            v0 += _as_f32(a[r0, c]) * xc
+            v1 += _as_f32(a[r1, c]) * xc
+            v2 += _as_f32(b[r2, c]) * xc
+            v3 += _as_f32(b[r3, c]) * xc
+        return v0, v1, v2, v3
+
+    return add_columns
 
 
 def _bits_of(q):
-    """4 for planar-nibble (uint8) weights, 8 for int8."""
+    """4 for planar-nibble (uint8) weights, 8 for int8, 0 for fp32 and bf16 (x as it is)."""
 
 
 @overload(_bits_of)
 def _bits_of_impl(q):
-    bits = 4 if q.dtype == types.uint8 else 8
+    bits = {types.uint8: 4, types.int8: 8}.get(q.dtype, 0)
     return lambda q: bits
 
 
@@ -529,6 +529,8 @@ def _bits_of_impl(q):
 def _prepared_sizes(cols, bits):
     """Lengths of the (digits, unit, corr) arrays that x [cols] is prepared into."""
     n_groups = cols // GROUP
+    if bits == 0:  # fp32 and bf16 weights read x as it is
+        return 0, 0, 0
     if not _VNNI:  # the float path needs only 8 * the group sums of x (int4), in `unit`
         return 0, (n_groups if bits == 4 else 0), 0
     blocks = (n_groups + 1) // 2 if bits == 4 else n_groups
@@ -546,6 +548,8 @@ def _prepare_into(x, bits, digits, unit, corr):
     """
     _wide_vectors()
     n_groups = x.shape[0] // GROUP
+    if bits == 0:
+        return
     if not _VNNI:
         if bits == 4:
             for g in range(n_groups):
@@ -636,7 +640,7 @@ def _ahead_bytes(q, mode):
 # --- row passes: one parallel loop per kind serves the matvec and both expert halves -------
 # Modes: SET out[r] = row r . x; ADD out[r] += w * (row r . x); GATE_UP out[i] =
 # silu(a_i . x) * (b_i . x). One parallel function per weight layout (rather than
-# one per use) keeps numba's cold compile short (~18 s for everything), which CI
+# one per use) keeps numba's cold compile short (~20 s for everything), which CI
 # pays on every run.
 
 SET, ADD, GATE_UP = 0, 1, 2
@@ -686,32 +690,8 @@ def _first_left_over(mode, rows):
 
 
 @njit(**_PARALLEL)
-def _pass_raw(a, b, x, out, mode, w):
-    """fp32 (float32) or bf16 (uint16) weights."""
-    _wide_vectors()
-    wf = np.float32(w)
-    ahead = _ahead_bytes(a, mode)
-    if mode == GATE_UP:
-        for p in prange(a.shape[0] // 2):
-            r = 2 * p
-            g0, g1, u0, u1 = _raw_columns_left(a, b, r, r + 1, r, r + 1, x,
-                                               *_raw_rows_dot(a, b, r, r + 1, r, r + 1, x, ahead))
-            out[r] = _silu_mul(g0, u0)
-            out[r + 1] = _silu_mul(g1, u1)
-    else:
-        for p in prange(a.shape[0] // 4):
-            r = 4 * p
-            v0, v1, v2, v3 = _raw_columns_left(a, a, r, r + 1, r + 2, r + 3, x,
-                                               *_raw_rows_dot(a, a, r, r + 1, r + 2, r + 3, x, ahead))
-            _store4(out, r, v0, v1, v2, v3, wf, mode == ADD)
-    for r in range(_first_left_over(mode, a.shape[0]), a.shape[0]):
-        va, _, vb, _ = _raw_columns_left(a, b, r, r, r, r, x, *_raw_rows_dot(a, b, r, r, r, r, x, ahead))
-        _store_one(mode, out, r, va, vb, wf)
-
-
-@njit(**_PARALLEL)
-def _pass_quant(qa, sa, qb, sb, x, out, mode, w):
-    """int8 or int4 (planar-nibble uint8) weights."""
+def _pass(qa, sa, qb, sb, x, out, mode, w):
+    """Weights of any kind (see _rows_dot; fp32 and bf16 pass their weights as scales)."""
     _wide_vectors()
     wf = np.float32(w)
     digits, unit, corr = _prepare_x(x, _bits_of(qa))
@@ -719,16 +699,20 @@ def _pass_quant(qa, sa, qb, sb, x, out, mode, w):
     if mode == GATE_UP:
         for p in prange(qa.shape[0] // 2):
             r = 2 * p
-            g0, g1, u0, u1 = _quant_rows_dot(qa, sa, qb, sb, r, r + 1, r, r + 1, x, digits, unit, corr, ahead)
+            g0, g1, u0, u1 = _columns_left(
+                qa, qb, r, r + 1, r, r + 1, x, *_rows_dot(qa, sa, qb, sb, r, r + 1, r, r + 1, x, digits, unit, corr, ahead))
             out[r] = _silu_mul(g0, u0)
             out[r + 1] = _silu_mul(g1, u1)
     else:
         for p in prange(qa.shape[0] // 4):
             r = 4 * p
-            v0, v1, v2, v3 = _quant_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x, digits, unit, corr, ahead)
+            v0, v1, v2, v3 = _columns_left(
+                qa, qa, r, r + 1, r + 2, r + 3, x,
+                *_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x, digits, unit, corr, ahead))
             _store4(out, r, v0, v1, v2, v3, wf, mode == ADD)
     for r in range(_first_left_over(mode, qa.shape[0]), qa.shape[0]):
-        va, _, vb, _ = _quant_rows_dot(qa, sa, qb, sb, r, r, r, r, x, digits, unit, corr, ahead)
+        va, _, vb, _ = _columns_left(qa, qb, r, r, r, r, x,
+                                     *_rows_dot(qa, sa, qb, sb, r, r, r, r, x, digits, unit, corr, ahead))
         _store_one(mode, out, r, va, vb, wf)
 
 
@@ -740,35 +724,8 @@ def _pass_quant(qa, sa, qb, sb, x, out, mode, w):
 
 
 @njit(**_PARALLEL)
-def _tokens_raw(a, b, x, out, mode):
-    """fp32 (float32) or bf16 (uint16) weights."""
-    _wide_vectors()
-    one = np.float32(1.0)
-    ahead = _ahead_bytes(a, mode)
-    if mode == GATE_UP:
-        for p in prange(a.shape[0] // 2):
-            r = 2 * p
-            for t in range(x.shape[0]):
-                g0, g1, u0, u1 = _raw_columns_left(a, b, r, r + 1, r, r + 1, x[t],
-                                                   *_raw_rows_dot(a, b, r, r + 1, r, r + 1, x[t], ahead))
-                out[t, r] = _silu_mul(g0, u0)
-                out[t, r + 1] = _silu_mul(g1, u1)
-    else:
-        for p in prange(a.shape[0] // 4):
-            r = 4 * p
-            for t in range(x.shape[0]):
-                v0, v1, v2, v3 = _raw_columns_left(a, a, r, r + 1, r + 2, r + 3, x[t],
-                                                   *_raw_rows_dot(a, a, r, r + 1, r + 2, r + 3, x[t], ahead))
-                _store4(out[t], r, v0, v1, v2, v3, one, False)
-    for r in range(_first_left_over(mode, a.shape[0]), a.shape[0]):
-        for t in range(x.shape[0]):
-            va, _, vb, _ = _raw_columns_left(a, b, r, r, r, r, x[t], *_raw_rows_dot(a, b, r, r, r, r, x[t], ahead))
-            _store_one(mode, out[t], r, va, vb, one)
-
-
-@njit(**_PARALLEL)
-def _tokens_quant(qa, sa, qb, sb, x, out, mode):
-    """int8 or int4 (planar-nibble uint8) weights."""
+def _tokens(qa, sa, qb, sb, x, out, mode):
+    """Weights of any kind, as _pass."""
     _wide_vectors()
     one = np.float32(1.0)
     bits = _bits_of(qa)
@@ -783,18 +740,23 @@ def _tokens_quant(qa, sa, qb, sb, x, out, mode):
         for p in prange(qa.shape[0] // 2):
             r = 2 * p
             for t in range(x.shape[0]):
-                g0, g1, u0, u1 = _quant_rows_dot(qa, sa, qb, sb, r, r + 1, r, r + 1, x[t], digits[t], unit[t], corr[t], ahead)
+                xt, dt, ut, ct = x[t], digits[t], unit[t], corr[t]
+                g0, g1, u0, u1 = _columns_left(
+                    qa, qb, r, r + 1, r, r + 1, xt, *_rows_dot(qa, sa, qb, sb, r, r + 1, r, r + 1, xt, dt, ut, ct, ahead))
                 out[t, r] = _silu_mul(g0, u0)
                 out[t, r + 1] = _silu_mul(g1, u1)
     else:
         for p in prange(qa.shape[0] // 4):
             r = 4 * p
             for t in range(x.shape[0]):
-                v0, v1, v2, v3 = _quant_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x[t], digits[t], unit[t], corr[t], ahead)
+                xt, dt, ut, ct = x[t], digits[t], unit[t], corr[t]
+                v0, v1, v2, v3 = _columns_left(
+                    qa, qa, r, r + 1, r + 2, r + 3, xt, *_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, xt, dt, ut, ct, ahead))
                 _store4(out[t], r, v0, v1, v2, v3, one, False)
     for r in range(_first_left_over(mode, qa.shape[0]), qa.shape[0]):
         for t in range(x.shape[0]):
-            va, _, vb, _ = _quant_rows_dot(qa, sa, qb, sb, r, r, r, r, x[t], digits[t], unit[t], corr[t], ahead)
+            va, _, vb, _ = _columns_left(qa, qb, r, r, r, r, x[t],
+                                         *_rows_dot(qa, sa, qb, sb, r, r, r, r, x[t], digits[t], unit[t], corr[t], ahead))
             _store_one(mode, out[t], r, va, vb, one)
 
 
@@ -824,25 +786,25 @@ def _check_expert(blob: np.ndarray, nbytes: int, hidden: int, x: np.ndarray, y: 
 def matvec_fp32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for float32 w [rows, cols] (C-contiguous)."""
     _check_matvec(w.shape[0], w.shape[1], x, out)
-    _pass_raw(w, w, _f32(x), out, SET, 1.0)
+    _pass(w, w, w, w, _f32(x), out, SET, 1.0)
 
 
 def matvec_bf16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for bf16 w stored as uint16 [rows, cols]."""
     _check_matvec(w.shape[0], w.shape[1], x, out)
-    _pass_raw(w, w, _f32(x), out, SET, 1.0)
+    _pass(w, w, w, w, _f32(x), out, SET, 1.0)
 
 
 def matvec_int8(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q int8 [rows, cols], scales float32 [rows, cols/64]."""
     _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
-    _pass_quant(q, scales, q, scales, _f32(x), out, SET, 1.0)
+    _pass(q, scales, q, scales, _f32(x), out, SET, 1.0)
 
 
 def matvec_int4(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q planar-nibble uint8 [rows, cols/2], scales [rows, cols/64]."""
     _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
-    _pass_quant(q, scales, q, scales, _f32(x), out, SET, 1.0)
+    _pass(q, scales, q, scales, _f32(x), out, SET, 1.0)
 
 
 def raw_matrices(blob: np.ndarray, kind: str, hidden: int, inter: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -876,8 +838,8 @@ def _expert_forward_raw(kind: str, blob: np.ndarray, hidden: int, inter: int, x:
     _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x, y)
     gate, up, down = raw_matrices(blob, kind, hidden, inter)
     h = np.empty(inter, np.float32)
-    _pass_raw(gate, up, _f32(x), h, GATE_UP, 1.0)
-    _pass_raw(down, down, h, y, ADD, float(w))
+    _pass(gate, gate, up, up, _f32(x), h, GATE_UP, 1.0)
+    _pass(down, down, down, down, h, y, ADD, float(w))
 
 
 def _expert_forward_quant(bits: int, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray,
@@ -885,8 +847,8 @@ def _expert_forward_quant(bits: int, blob: np.ndarray, hidden: int, inter: int, 
     _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x, y)
     qg, sg, qu, su, qd, sd = quant_matrices(blob, bits, hidden, inter)
     h = np.empty(inter, np.float32)
-    _pass_quant(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
-    _pass_quant(qd, sd, qd, sd, h, y, ADD, float(w))
+    _pass(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
+    _pass(qd, sd, qd, sd, h, y, ADD, float(w))
 
 
 def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
@@ -925,14 +887,14 @@ def expert_forward_tokens(kind: str, blob: np.ndarray, hidden: int, inter: int, 
     if kind in ("fp32", "bf16"):
         _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x[0], y[0])
         gate, up, down = raw_matrices(blob, kind, hidden, inter)
-        _tokens_raw(gate, up, x, h, GATE_UP)
-        _tokens_raw(down, down, h, y, SET)
+        _tokens(gate, gate, up, up, x, h, GATE_UP)
+        _tokens(down, down, down, down, h, y, SET)
     else:
         bits = 8 if kind == "int8" else 4
         _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x[0], y[0])
         qg, sg, qu, su, qd, sd = quant_matrices(blob, bits, hidden, inter)
-        _tokens_quant(qg, sg, qu, su, x, h, GATE_UP)
-        _tokens_quant(qd, sd, qd, sd, h, y, SET)
+        _tokens(qg, sg, qu, su, x, h, GATE_UP)
+        _tokens(qd, sd, qd, sd, h, y, SET)
     return y
 
 
