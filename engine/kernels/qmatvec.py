@@ -1,14 +1,18 @@
 """numba matvec and fused SwiGLU expert kernels for fp32, bf16, int8 and int4 weights.
 
 Why this shape: decode is one token at a time, so every expert is a
-matrix-vector product bound by memory bandwidth (or by the cost of widening
-small integers to float). The loops are written so that LLVM vectorises them:
-- widening goes through tiny LLVM intrinsics (uint8 nibble -> float32,
-  int8 -> float32, bf16 -> float32) so no value is promoted to int64 on the way;
-- int4 uses planar nibbles (low nibbles are elements 0..31 of a 64-group, high
-  nibbles 32..63), so both halves read x contiguously;
-- each group accumulates in float32 and is scaled once; the constant -8 offset
-  of the nibbles is folded into a per-group sum of x computed once per call.
+matrix-vector product bound by memory bandwidth (or by the arithmetic per
+weight). The row loops are emitted as explicit LLVM vectors (16 float32 or
+int32 lanes):
+- each iteration reads 64 bytes of four rows, which share every load of x,
+  and prefetches the rows a later step reads;
+- fp32 and bf16 multiply-add in float32 (bf16 widened by a shift);
+- int8 and int4 use integer dot products (AVX-512 VNNI) against x written
+  once per call as integer digits, or, on CPUs without VNNI, are widened to
+  float32; int4 uses planar nibbles (low nibbles are elements 0..31 of a
+  64-group, high nibbles 32..63), so both halves line up with x;
+- each group is scaled once per row, and the constant offsets (the nibbles'
+  -8, int8's +128) come back once per group.
 
 Blob layouts (uint8 buffers, one expert each):
 - fp32 / bf16 ("raw"): [gate I*H | up I*H | down H*I] elements, row-major,
@@ -637,11 +641,11 @@ def _ahead_bytes(q, mode):
     return row * steps * (2 if mode == GATE_UP else 4)
 
 
-# --- row passes: one parallel loop per kind serves the matvec and both expert halves -------
+# --- row passes: one parallel function serves the matvec and both expert halves ------------
 # Modes: SET out[r] = row r . x; ADD out[r] += w * (row r . x); GATE_UP out[i] =
-# silu(a_i . x) * (b_i . x). One parallel function per weight layout (rather than
-# one per use) keeps numba's cold compile short (~20 s for everything), which CI
-# pays on every run.
+# silu(a_i . x) * (b_i . x). One parallel function for every use and weight layout
+# (compiled once per layout) keeps numba's cold compile short (~20 s for
+# everything), which CI pays on every run.
 
 SET, ADD, GATE_UP = 0, 1, 2
 
