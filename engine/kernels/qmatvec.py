@@ -211,8 +211,9 @@ def _host_has(*features: str) -> bool:
 # by 7 bits between them, and the constant offset (8 or 128 times the sum of X)
 # is subtracted as an integer. The only rounding is x to X: at most u / 2 =
 # 2.4e-7 of the group's largest |x|, far inside the 1e-5 the kernels are
-# tested to (a group whose largest |x| is below 2.4e-32 counts as zero). Per 64 int4 weights that is about 8 vector operations instead of
-# 13, and each 16 lanes of the result need one int->float conversion.
+# tested to (a group whose largest |x| is below 2.4e-32 counts as zero). Per
+# 64 int4 weights that is about 8 vector operations instead of 13, and each
+# 16 lanes of the result need one int->float conversion.
 # Wraparound makes the int32 arithmetic exact whenever the final sum fits,
 # which |q - 8| <= 8 (|q| <= 127) and |X| <= 126 * 128^2 guarantee.
 # `TIERLAB_VNNI=0` compiles the float path instead (give it its own
@@ -312,8 +313,9 @@ def _vnni_block(builder, q, s, block, digits, unit, corr, bits, half):
 
 
 def _row_start(context, builder, arr, index, index_type):
-    """Pointer to row `index` of a 2-D array struct: plain arithmetic, where a numba row
-    view would cost a reference count per row and step (1.4x on 2048x512 int4)."""
+    """Pointer to row `index` of a 2-D array struct: plain arithmetic, so that the passes
+    hand the intrinsics whole matrices and row numbers instead of a numba row view (an
+    array struct, and its reference count, per row and step)."""
     r = context.cast(builder, index, index_type, types.int64)
     row_bytes = builder.extract_value(arr.strides, 0)
     start = builder.gep(builder.bitcast(arr.data, _I8.as_pointer()), [builder.mul(r, row_bytes)])
