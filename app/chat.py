@@ -63,6 +63,7 @@ class ChatMessage(Static):
             return True
         return False
 
+
 class ChatPane(Vertical):
     """Conversation, prompt input and generation settings."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from tierlab.engine import hugepages
 from tierlab.engine.kernels import qmatvec
 from tierlab.engine.kernels.qmatmat import dequantize_rows, matmat

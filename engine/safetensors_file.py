@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from tierlab.engine import hugepages
-
 from tierlab.engine.errors import ModelError
 
 # safetensors dtype name -> (numpy storage dtype, bytes per element).

@@ -17,10 +17,47 @@ matvecs of `qmatvec` (which scale each group's sum, not each weight).
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
-from tierlab.engine.kernels.qmatvec import GROUP, _bf16_f32, _hi_nibble_f32, _i8_f32, _lo_nibble_f32, _wide_vectors
+from tierlab.engine.kernels.qmatvec import GROUP, _bf16_f32, _wide_vectors
+
+_F32 = ir.FloatType()
+
+
+# --- widening on the byte itself, so that the vectoriser stays in 8/16/32-bit lanes ---------
+
+
+@intrinsic
+def _lo_nibble_f32(typingctx, b):
+    """float32(b & 15) computed on the byte itself."""
+
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(builder.and_(args[0], ir.Constant(ir.IntType(8), 15)), _F32)
+
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _hi_nibble_f32(typingctx, b):
+    """float32(b >> 4) computed on the byte itself."""
+
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(builder.lshr(args[0], ir.Constant(ir.IntType(8), 4)), _F32)
+
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _i8_f32(typingctx, b):
+    """float32 of a signed byte."""
+
+    def codegen(context, builder, signature, args):
+        return builder.sitofp(args[0], _F32)
+
+    return types.float32(types.int8), codegen
+
 
 _ROW_BLOCK = 16  # rows per parallel step: enough steps for two threads, few launches' worth of overhead
 

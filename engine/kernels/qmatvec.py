@@ -50,37 +50,7 @@ _PARALLEL = dict(nogil=True, cache=True, fastmath=True, parallel=True)
 _F32 = ir.FloatType()
 
 
-# --- widening intrinsics: keep the vectoriser in 8/16/32-bit lanes -------------------------
-
-
-@intrinsic
-def _lo_nibble_f32(typingctx, b):
-    """float32(b & 15) computed on the byte itself."""
-
-    def codegen(context, builder, signature, args):
-        return builder.uitofp(builder.and_(args[0], ir.Constant(ir.IntType(8), 15)), _F32)
-
-    return types.float32(types.uint8), codegen
-
-
-@intrinsic
-def _hi_nibble_f32(typingctx, b):
-    """float32(b >> 4) computed on the byte itself."""
-
-    def codegen(context, builder, signature, args):
-        return builder.uitofp(builder.lshr(args[0], ir.Constant(ir.IntType(8), 4)), _F32)
-
-    return types.float32(types.uint8), codegen
-
-
-@intrinsic
-def _i8_f32(typingctx, b):
-    """float32 of a signed byte."""
-
-    def codegen(context, builder, signature, args):
-        return builder.sitofp(args[0], _F32)
-
-    return types.float32(types.int8), codegen
+# --- small intrinsics ----------------------------------------------------------------------
 
 
 @intrinsic
@@ -839,19 +809,22 @@ def quant_matrices(blob: np.ndarray, bits: int, hidden: int, inter: int) -> tupl
     )
 
 
-def _expert_forward_raw(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray,
-                        w: float) -> None:
-    _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x, y)
-    gate, up, down = raw_matrices(blob, kind, hidden, inter)
-    h = np.empty(inter, np.float32)
-    _pass(gate, gate, up, up, _f32(x), h, GATE_UP, 1.0)
-    _pass(down, down, down, down, h, y, ADD, float(w))
-
-
-def _expert_forward_quant(bits: int, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray,
-                          w: float) -> None:
+def _expert_parts(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray) -> tuple:
+    """(gate, gate scales, up, up scales, down, down scales) of a blob, for `_pass` / `_tokens`,
+    after checking the blob's size and x, y (one token's rows); fp32/bf16 weights stand in
+    for their own scales."""
+    if kind in ("fp32", "bf16"):
+        _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x, y)
+        gate, up, down = raw_matrices(blob, kind, hidden, inter)
+        return gate, gate, up, up, down, down
+    bits = 8 if kind == "int8" else 4
     _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x, y)
-    qg, sg, qu, su, qd, sd = quant_matrices(blob, bits, hidden, inter)
+    return quant_matrices(blob, bits, hidden, inter)
+
+
+def _expert_forward(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray,
+                    w: float) -> None:
+    qg, sg, qu, su, qd, sd = _expert_parts(kind, blob, hidden, inter, x, y)
     h = np.empty(inter, np.float32)
     _pass(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
     _pass(qd, sd, qd, sd, h, y, ADD, float(w))
@@ -859,22 +832,22 @@ def _expert_forward_quant(bits: int, blob: np.ndarray, hidden: int, inter: int, 
 
 def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * down(silu(gate x) * (up x)) for a raw float32 blob [gate | up | down]."""
-    _expert_forward_raw("fp32", blob, hidden, inter, x, y, w)
+    _expert_forward("fp32", blob, hidden, inter, x, y, w)
 
 
 def expert_forward_bf16(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for a raw bf16 (uint16) blob [gate | up | down]."""
-    _expert_forward_raw("bf16", blob, hidden, inter, x, y, w)
+    _expert_forward("bf16", blob, hidden, inter, x, y, w)
 
 
 def expert_forward_int8(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for an int8 container blob."""
-    _expert_forward_quant(8, blob, hidden, inter, x, y, w)
+    _expert_forward("int8", blob, hidden, inter, x, y, w)
 
 
 def expert_forward_int4(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
     """y += w * expert(x) for an int4 container blob."""
-    _expert_forward_quant(4, blob, hidden, inter, x, y, w)
+    _expert_forward("int4", blob, hidden, inter, x, y, w)
 
 
 def expert_forward_tokens(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
@@ -890,17 +863,9 @@ def expert_forward_tokens(kind: str, blob: np.ndarray, hidden: int, inter: int, 
     n = x.shape[0]
     h = np.empty((n, inter), np.float32)
     y = np.empty((n, hidden), np.float32)
-    if kind in ("fp32", "bf16"):
-        _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x[0], y[0])
-        gate, up, down = raw_matrices(blob, kind, hidden, inter)
-        _tokens(gate, gate, up, up, x, h, GATE_UP)
-        _tokens(down, down, down, down, h, y, SET)
-    else:
-        bits = 8 if kind == "int8" else 4
-        _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x[0], y[0])
-        qg, sg, qu, su, qd, sd = quant_matrices(blob, bits, hidden, inter)
-        _tokens(qg, sg, qu, su, x, h, GATE_UP)
-        _tokens(qd, sd, qd, sd, h, y, SET)
+    qg, sg, qu, su, qd, sd = _expert_parts(kind, blob, hidden, inter, x[0], y[0])
+    _tokens(qg, sg, qu, su, x, h, GATE_UP)
+    _tokens(qd, sd, qd, sd, h, y, SET)
     return y
 
 
@@ -910,6 +875,7 @@ EXPERT_FORWARD = {
     "int8": expert_forward_int8,
     "int4": expert_forward_int4,
 }
+
 
 def raw_blob_nbytes(kind: str, hidden: int, inter: int) -> int:
     """Bytes of one raw fp32/bf16 expert blob [gate | up | down]."""
