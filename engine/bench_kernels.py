@@ -122,19 +122,20 @@ def _random_operands(kind: str, rows: int, cols: int, copies: int, rng: np.rando
     """`copies` independent weight sets of one kind (contents do not affect speed), each
     part of all copies in one buffer on huge pages, as the engine keeps its weights."""
     if kind == "fp32":
-        parts = [rng.standard_normal((copies, rows, cols), dtype=np.float32)]
+        parts = [((rows, cols), np.float32, lambda: rng.standard_normal((rows, cols), dtype=np.float32))]
     elif kind == "bf16":
-        parts = [rng.integers(0x3C00, 0x3F80, size=(copies, rows, cols), dtype=np.uint16)]
+        parts = [((rows, cols), np.uint16, lambda: rng.integers(0x3C00, 0x3F80, size=(rows, cols), dtype=np.uint16))]
     else:
         if kind == "int8":
-            q = rng.integers(-127, 128, size=(copies, rows, cols), dtype=np.int8)
+            weights = ((rows, cols), np.int8, lambda: rng.integers(-127, 128, size=(rows, cols), dtype=np.int8))
         else:
-            q = rng.integers(0, 256, size=(copies, rows, cols // 2), dtype=np.uint8)
-        parts = [q, rng.random((copies, rows, cols // GROUP), dtype=np.float32)]
+            weights = ((rows, cols // 2), np.uint8, lambda: rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8))
+        parts = [weights, ((rows, cols // GROUP), np.float32, lambda: rng.random((rows, cols // GROUP), dtype=np.float32))]
     arenas = []
-    for part in parts:
-        arena = hugepages.empty(part.shape, part.dtype)
-        arena[:] = part
+    for shape, dtype, draw in parts:
+        arena = hugepages.empty((copies,) + shape, dtype)
+        for i in range(copies):  # one copy at a time: no second working set in memory
+            arena[i] = draw()
         arenas.append(arena)
     return [tuple(arena[i] for arena in arenas) for i in range(copies)]
 
