@@ -1,27 +1,35 @@
 # One command runs the app (`make run`), one runs the tests (`make test`).
-# Both create .venv on first use and install what they need.
+# Both create .venv on first use: `make run` installs what running needs,
+# `make test` adds the test extra (torch CPU, transformers, pytest).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SUM := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+RUN_STAMP := $(VENV)/.run-$(SUM)
+TEST_STAMP := $(VENV)/.test-$(SUM)
+PIP := $(BIN)/pip install -q --disable-pip-version-check
 
 .PHONY: run test venv bench clean
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
-	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	$(PIP) -e .
+	rm -f $(VENV)/.run-* $(VENV)/.test-* $(VENV)/.installed-*
+	touch $(RUN_STAMP)
 
-venv: $(STAMP)
+$(TEST_STAMP): $(RUN_STAMP)
+	$(PIP) -e ".[test]"
+	touch $(TEST_STAMP)
 
-run: $(STAMP)
+venv: $(TEST_STAMP)
+
+run: $(RUN_STAMP)
 	$(BIN)/tierlab $(ARGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(RUN_STAMP)
 	$(BIN)/tierlab bench kernels
 
 clean:

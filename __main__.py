@@ -2,6 +2,6 @@
 
 import sys
 
-from tierlab.app.cli import main
+from tierlab.app.cli.main import main
 
 sys.exit(main())

@@ -40,13 +40,13 @@ echo "== tier tests"
 "$PY" -m pytest -q -p no:cacheprovider tests/test_opencl_tier.py
 
 echo "== fused expert micro-benchmark (default kernel for the device)"
-"$PY" -m tierlab.engine.tiers.bench_tier --hidden 2048 --inter 512 --per-call 8 --resident 64 \
+"$PY" -m tierlab.app.lab.bench_tier --hidden 2048 --inter 512 --per-call 8 --resident 64 \
     --seconds "${SECONDS_PER_KIND:-2}"
 echo "== same, the other row strategy (group <-> row), for comparison"
-"$PY" -m tierlab.engine.tiers.bench_tier --hidden 2048 --inter 512 --per-call 8 --resident 64 \
+"$PY" -m tierlab.app.lab.bench_tier --hidden 2048 --inter 512 --per-call 8 --resident 64 \
     --seconds "${SECONDS_PER_KIND:-2}" --row-mode other
 echo "== default kernel, 64 experts per call (device throughput rather than per-call overhead)"
-"$PY" -m tierlab.engine.tiers.bench_tier --hidden 2048 --inter 512 --per-call 64 --resident 64 \
+"$PY" -m tierlab.app.lab.bench_tier --hidden 2048 --inter 512 --per-call 64 --resident 64 \
     --seconds "${SECONDS_PER_KIND:-2}"
 
 echo "== engine A/B: tier off vs on, on a synthetic real-shape Qwen3.6 slice"

@@ -93,7 +93,7 @@ def loadavg() -> str:
 
 
 def random_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
-    # the same ids as `tierlab bench decode` (tierlab.engine.bench_decode.run_decode_bench)
+    # the same ids as `tierlab bench decode` (tierlab.app.lab.bench_decode.run_decode_bench)
     import numpy as np
 
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]

@@ -283,7 +283,7 @@ class Engine:
 
     def oracle_hit(self) -> float:
         """Hit rate (percent) an optimal Belady cache of the same size reaches on the requests so far."""
-        from tierlab.engine.belady import belady_hit_rate
+        from tierlab.app.lab.belady import belady_hit_rate
 
         layers = [np.stack(r) for r in self.requests if r and len({len(x) for x in r}) == 1]
         if not layers:

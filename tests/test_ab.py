@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from tierlab.engine.ab import parse_row, run_ab
+from tierlab.app.lab.ab import parse_row, run_ab
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.sessionlog import read_session_log
 

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from textual.widgets import DataTable, Input, Select, Switch
 
-from tierlab.app.chat import ChatMessage, ChatPane
-from tierlab.app.heat_screen import HeatInspector, ProfilePane
-from tierlab.app.help_screen import HelpScreen
-from tierlab.app.knob_panel import CACHE_SLOTS, knob_id
-from tierlab.app.sessions_screen import SessionsScreen
-from tierlab.app.tui import TierlabApp
+from tierlab.app.tui.chat import ChatMessage, ChatPane
+from tierlab.app.tui.heat_screen import HeatInspector, ProfilePane
+from tierlab.app.tui.help_screen import HelpScreen
+from tierlab.app.tui.knob_panel import CACHE_SLOTS, knob_id
+from tierlab.app.tui.sessions_screen import SessionsScreen
+from tierlab.app.tui.app import TierlabApp
+from tierlab.engine.options import EngineOptions
+from tierlab.engine.tiering import TierOptions
 from tierlab.engine.heat import HeatProfile
 from tierlab.engine.sessionlog import read_session_log
 from tierlab.widgets.heatmap import ExpertHeatmap, HeatmapData
@@ -93,10 +95,11 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def make_app(tiny_model, tmp_path):
-    def make(**options) -> TierlabApp:
-        options.setdefault("cache_slots", 6)
+    def make(model_dir=None, cache_slots=6, tier=None, heat=None, **options) -> TierlabApp:
         options.setdefault("sessions_dir", tmp_path / "sessions")
-        app = TierlabApp(options.pop("model_dir", tiny_model), **options)
+        engine_options = EngineOptions(model_dir or tiny_model, cache_slots,
+                                       TierOptions.from_env(enabled=tier, heat_file=str(heat) if heat else None))
+        app = TierlabApp(engine_options, **options)
         app.notes = []  # type: ignore[attr-defined]
         original = app.notify
 
@@ -537,7 +540,7 @@ async def test_tier_puts_experts_at_the_gpu_level_or_says_why(make_app, tmp_path
 
 def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch):
     import tierlab
-    from tierlab.app import cli
+    from tierlab.app.cli import main as cli
 
     opened = []
     monkeypatch.setattr(TierlabApp, "run", lambda self, *a, **k: opened.append(self))
@@ -550,8 +553,13 @@ def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch):
     assert cli.main(["app", "--model", "/somewhere", "--cache", "3", "--tier", "--heat", "h.heat", "--max-tokens", "9",
                      "--theme", "nord"]) == 0
     app = opened[-1]
-    assert (str(app.model_dir), app.cache_slots, app.tier, str(app.heat_path), app.max_tokens, app.start_theme) == (
+    assert (str(app.model_dir), app.options.cache, app.tier, str(app.heat_path), app.max_tokens, app.start_theme) == (
         "/somewhere", 3, True, "h.heat", 9, "nord")
+    # options alone open the app, and the app takes every command's knob flags
+    assert cli.main(["--model", "/elsewhere", "--route-j", "1", "--cache-route", "1"]) == 0
+    app = opened[-1]
+    assert str(app.model_dir) == "/elsewhere"
+    assert (app.options.knobs["ROUTE_J"], app.options.knobs["CACHE_ROUTE"]) == ("1", "1")
 
 
 async def test_theme_option(make_app):
@@ -627,7 +635,7 @@ ASSETS = __import__("tierlab").ASSETS_DIR
 async def test_the_shipped_models_answer_in_the_app(name, tmp_path):
     if not (ASSETS / name / "config.json").exists():
         pytest.skip(f"assets/{name} is not there yet")
-    app = TierlabApp(ASSETS / name, sessions_dir=tmp_path)
+    app = TierlabApp(EngineOptions(ASSETS / name), sessions_dir=tmp_path)
     app.notes = []  # type: ignore[attr-defined]
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierlab.engine.belady import CacheReplay, belady_hit_rate, belady_hits, lru_hit_rate, lru_hits
+from tierlab.app.lab.belady import CacheReplay, belady_hit_rate, belady_hits, lru_hit_rate, lru_hits
 
 TEXTBOOK = [1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5]
 

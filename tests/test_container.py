@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tierlab.app.cli import main as cli_main
+from tierlab.app.cli.main import main as cli_main
 from tierlab.engine import quant as Q
 from tierlab.engine.container import (
     CONTAINER_JSON, DENSE_FILE, EXPERTS_BIN, ContainerExpertSource, convert, read_container_info,
@@ -246,7 +246,7 @@ def test_only_group_64_is_accepted(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
 def test_synthetic_config_has_the_real_per_layer_shapes(arch):
-    from tierlab.app.cmd_make_synthetic import synthetic_config
+    from tierlab.app.cli.cmd_make_synthetic import synthetic_config
 
     cfg = synthetic_config(arch, layers=2, experts=16, top_k=8, vocab=4096)
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.vocab_size) == (2048, 2, 16, 8, 4096)
@@ -263,7 +263,7 @@ def test_synthetic_config_has_the_real_per_layer_shapes(arch):
 def test_synthetic_tokenizer_round_trips_bytes(tmp_path):
     from tokenizers import Tokenizer
 
-    from tierlab.app.cmd_make_synthetic import write_tokenizer
+    from tierlab.app.cli.cmd_make_synthetic import write_tokenizer
 
     write_tokenizer(tmp_path, 512)
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

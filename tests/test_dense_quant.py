@@ -142,7 +142,7 @@ def test_engine_matches_the_dequantised_checkpoint(dense_containers, bits, tmp_p
 
 
 def test_dense_quantised_container_reads_fewer_bytes_per_token(dense_containers):
-    from tierlab.engine.bench_decode import weight_bytes_per_token
+    from tierlab.app.lab.bench_decode import weight_bytes_per_token
 
     plain = weight_bytes_per_token(load_engine(MODEL, with_tokenizer=False))
     int4 = weight_bytes_per_token(load_engine(dense_containers[4], with_tokenizer=False))
@@ -168,7 +168,7 @@ def test_a_damaged_quantised_tensor_is_a_one_line_error(dense_containers, tmp_pa
 
 
 def test_cli_convert_dense_bits_and_inspect(tmp_path, capsys):
-    from tierlab.app.cli import main as cli_main
+    from tierlab.app.cli.main import main as cli_main
 
     out = tmp_path / "c"
     assert cli_main(["convert", "--model", str(MODEL), "--out", str(out), "--bits", "4", "--dense-bits", "8"]) == 0
@@ -184,7 +184,7 @@ def test_bytes_per_token_count_every_dense_matrix_once(huge_from, monkeypatch):
     (projections, router, shared expert), the DeltaNet convolutions (held as float32) and one
     embedding row, each counted once (the router view of the fused matrix is not counted again)."""
     from tierlab.engine import hugepages
-    from tierlab.engine.bench_decode import weight_bytes_per_token
+    from tierlab.app.lab.bench_decode import weight_bytes_per_token
 
     if huge_from is not None:  # every weight on a mapping, as a real model's large ones are
         monkeypatch.setattr(hugepages, "MIN_HUGE_BYTES", huge_from)

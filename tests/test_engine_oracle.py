@@ -9,7 +9,7 @@ import pytest
 
 import oracle_models as om
 from conftest import run_cli
-from tierlab.engine.evaluate import run_eval, teacher_forced_nll
+from tierlab.app.lab.evaluate import run_eval, teacher_forced_nll
 from tierlab.engine.model import load_engine
 
 NAMES = ["qwen3_5_moe", "qwen3_moe", "qwen3_5_moe_fused_vl"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tierlab.engine.evaluate import greedy_decode
+from tierlab.app.lab.evaluate import greedy_decode
 from tierlab.engine.model import load_engine
 from tierlab.engine.sampling import Sampler
 

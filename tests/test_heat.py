@@ -14,7 +14,7 @@ import pytest
 
 from tierlab.engine.errors import FormatError
 from tierlab.engine.heat import MAGIC, HeatProfile, diff, from_routes, index_order, summarize_counts
-from tierlab.engine.tiers.plan import compare_warmstarts, synthetic_trace, trace_heat
+from tierlab.app.lab.plan import compare_warmstarts, synthetic_trace, trace_heat
 
 PYTHON = sys.executable  # the venv running the tests (/work/main/.venv/bin/python under `make test`)
 

@@ -78,7 +78,7 @@ def test_hot_pins_survive_eviction(oracle_models):
 
 def test_token_fetch_reads_right_bytes_and_protects_its_own_hits(oracle_models):
     """A token's misses never evict its own resident experts; background reads give the right bytes."""
-    from tierlab.engine.belady import lru_hits
+    from tierlab.app.lab.belady import lru_hits
     from tierlab.engine.expert_cache import ExpertCache
 
     folder = oracle_models["qwen3_moe"][1]

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierlab.engine.abtable import knob_label, render_markdown, render_text, summarise_log, summarise_logs
-from tierlab.engine.belady import belady_hits, lru_hits
+from tierlab.app.lab.abtable import knob_label, render_markdown, render_text, summarise_log, summarise_logs
+from tierlab.app.lab.belady import belady_hits, lru_hits
 from tierlab.engine.errors import FormatError
 from tierlab.engine.events import LayerRoute, TokenEvent
 from tierlab.engine.knobs import KnobChange, KnobValues

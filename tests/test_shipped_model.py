@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierlab.engine.belady import lru_hits
+from tierlab.app.lab.belady import lru_hits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -56,10 +56,11 @@ def headless(model: Path, tokens: int) -> tuple[float, int]:
 async def in_app(model: Path, tokens: int) -> tuple[float, int]:
     from textual.widgets import Input
 
-    from tierlab.app.tui import TierlabApp
+    from tierlab.app.tui.app import TierlabApp
+    from tierlab.engine.options import EngineOptions
     from tierlab.widgets.knob import Knob
 
-    app = TierlabApp(model)
+    app = TierlabApp(EngineOptions(model))
     clock = DecodeClock()
     async with app.run_test(size=(160, 48)) as pilot:
         while app.engine is None:

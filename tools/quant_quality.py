@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tierlab.engine.container import convert
-from tierlab.engine.evaluate import teacher_forced_nll
+from tierlab.app.lab.evaluate import teacher_forced_nll
 from tierlab.engine.model import load_engine
 
 

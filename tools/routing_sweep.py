@@ -4,7 +4,7 @@
     python tools/routing_sweep.py strategies [--model assets/tiny-moe] [--cache N] [--plot FILE]
     python tools/routing_sweep.py tier [--model assets/tiny-moe] [--tier-gb G]
 
-Both run `tierlab.engine.ab.run_ab` on a reference made from the model's
+Both run `tierlab.app.lab.ab.run_ab` on a reference made from the model's
 held-out text (prompt = its first 32 tokens, continuation = the next N), and
 report the teacher-forced run: TF-NLL, hit rates and routing meters all come
 from feeding real held-out text (a tiny model's greedy continuation loops,
@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import tierlab
-from tierlab.engine.ab import run_ab
-from tierlab.engine.abtable import render_markdown
+from tierlab.app.lab.ab import run_ab
+from tierlab.app.lab.abtable import render_markdown
 from tierlab.engine.tokenizer import Tokenizer
 
 
@@ -94,7 +94,7 @@ def tier(args) -> None:
     import tempfile
 
     from tierlab.engine.config import load_config
-    from tierlab.engine.evaluate import teacher_forced_nll
+    from tierlab.app.lab.evaluate import teacher_forced_nll
     from tierlab.engine.model import load_engine
     from tierlab.engine.tiering import TierOptions
 

@@ -1,23 +1,33 @@
-"""Command-line flags shared by every command that runs the engine.
+"""The command-line flags that open an engine, shared by every command and the app.
 
 Each lever is a flag named after its environment variable (ROUTE_J ->
 --route-j); a flag wins over the environment, which wins over the default.
+The same holds for the tier flags (TIER, TIER_GB, TIER_DEVICE,
+TIER_NO_WARMSTART, HEAT_FILE).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-import tierlab
-from tierlab.engine.knobs import SPECS, Knobs
+from tierlab.engine.knobs import SPECS
+from tierlab.engine.options import EngineOptions, default_model
+from tierlab.engine.tiering import TierOptions
 
-DEFAULT_MODEL = tierlab.ASSETS_DIR / "tiny-moe"
+
+def options_from_args(args: argparse.Namespace) -> EngineOptions:
+    """The EngineOptions that `add_model_args` flags describe."""
+    tier = TierOptions.from_env(enabled=args.tier, budget=args.tier_gb, device=args.tier_device,
+                                warmstart=args.warmstart, heat_file=args.heat)
+    knobs = {spec.name: getattr(args, f"knob_{spec.name}", None) for spec in SPECS}
+    return EngineOptions(Path(args.model), getattr(args, "cache", None), tier, knobs)
 
 
 def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
-    parser.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL),
-                        help=f"model folder or tierlab container (default: the shipped {DEFAULT_MODEL.name})")
+    parser.add_argument("--model", metavar="DIR", type=Path, default=default_model(),
+                        help=f"model folder or tierlab container (default: the shipped {default_model().name})")
     if cache:
         parser.add_argument("--cache", type=int, metavar="N", default=None,
                             help="RAM expert cache slots per layer (default: all experts)")
@@ -38,22 +48,9 @@ def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
                            help=f"{spec.help} (default {spec.default})")
 
 
-def knobs_from_args(args: argparse.Namespace) -> Knobs:
-    return Knobs.from_env(**{spec.name: getattr(args, f"knob_{spec.name}", None) for spec in SPECS})
-
-
 def open_engine(args: argparse.Namespace, with_tokenizer: bool = True):
-    """Load the engine the flags describe; ModelError/KnobError reach the CLI as one line."""
-    from tierlab.engine.model import load_engine
-
-    knobs = knobs_from_args(args)
-    from tierlab.engine.tiering import TierOptions
-
-    tier = TierOptions.from_env(enabled=args.tier, budget=args.tier_gb, device=args.tier_device,
-                                warmstart=args.warmstart, heat_file=args.heat)
-    engine = load_engine(args.model, cache_slots=getattr(args, "cache", None), knobs=knobs,
-                         with_tokenizer=with_tokenizer, tier=tier)
-    return engine
+    """The engine the flags describe."""
+    return options_from_args(args).open(with_tokenizer=with_tokenizer)
 
 
 def print_notices(engine) -> None:

@@ -102,7 +102,7 @@ def run_decode_bench(engine: Engine, prompt_tokens: int = 32, decode_tokens: int
     logits = engine.prefill(prompt[:4])
     engine.step(int(np.argmax(logits)))
     if bandwidth_gbs is None:
-        from tierlab.engine.bench_kernels import measure_bandwidth
+        from tierlab.app.lab.bench_kernels import measure_bandwidth
 
         bandwidth_gbs = measure_bandwidth(256 * 2**20, 5)[0]
     engine.cold_start()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tierlab.app.engine_args import add_model_args, open_engine, print_notices
+from tierlab.app.cli.engine_options import add_model_args, open_engine, print_notices
 from tierlab.engine.errors import ModelError
-from tierlab.engine.evaluate import greedy_decode, write_ref
+from tierlab.app.lab.evaluate import greedy_decode, write_ref
 
 
 def add_parser(subparsers) -> None:

@@ -19,7 +19,7 @@ from textual.screen import Screen
 from textual.suggester import SuggestFromList
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
-from tierlab.app.files import list_heat_files
+from tierlab.app.tui.files import list_heat_files
 
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.heat import HeatProfile, LayerDiff, diff

@@ -21,17 +21,18 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.reactive import Reactive
 from textual.screen import Screen
-from textual.widgets import Button, Footer, Header
-from textual.widgets._header import HeaderClockSpace, HeaderIcon, HeaderTitle
+from textual.widgets import Button, Footer
 
-from tierlab.app.chat import ChatMessage, ChatPane
-from tierlab.app.engine_watch import EngineWatch, format_knob_value
-from tierlab.app.knob_panel import CACHE_SLOTS, KnobsPanel
+from tierlab.app.tui.chat import ChatMessage, ChatPane
+from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
+from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
+from tierlab.engine.options import EngineOptions
 from tierlab.widgets.heatmap import ExpertHeatmap
 from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch
 from tierlab.widgets.meters import MeterPlot, MetersPanel
+from tierlab.widgets.title_bar import TitleBar
 
 VIEW_INTERVAL = 0.25
 """Seconds between redraws of heatmap and meters while tokens arrive (the engine needs the CPU more)."""
@@ -47,34 +48,6 @@ def one_line(exc: BaseException) -> str:
     """An exception as the single line a notification can show."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
-
-
-def open_engine(model_dir: Path, cache_slots: int | None, tier: bool, heat: Path | None):
-    """Load an engine; `tier` attaches the GPU tier, `heat` plans it (and gets this run's counts on exit)."""
-    from tierlab.engine.model import load_engine
-    from tierlab.engine.tiering import TierOptions
-
-    options = TierOptions.from_env(enabled=True if tier else None, heat_file=str(heat) if heat else None)
-    return load_engine(model_dir, cache_slots=cache_slots, tier=options)
-
-
-class SteadyTitle(HeaderTitle):
-    """The header's title line, redrawn in place: it is one line of fixed size, so no layout."""
-
-    def update(self, content="", *, layout: bool = False) -> None:
-        super().update(content, layout=layout)
-
-
-class SteadyHeader(Header):
-    """Textual's header, but a new sub-title (the token count, several times a second) only repaints the title.
-
-    The stock title re-lays out the whole screen on every change.
-    """
-
-    def compose(self) -> ComposeResult:
-        yield HeaderIcon().data_bind(Header.icon)
-        yield SteadyTitle()
-        yield HeaderClockSpace()
 
 
 class TierlabApp(App):
@@ -107,12 +80,9 @@ class TierlabApp(App):
 
     def __init__(
         self,
-        model_dir: str | Path | None = None,
+        options: EngineOptions | None = None,
         *,
         engine_factory: Callable[[], object] | None = None,
-        cache_slots: int | None = None,
-        tier: bool = False,
-        heat: str | Path | None = None,
         sessions_dir: str | Path = "tierlab-sessions",
         seed: int = 0,
         max_tokens: int = 64,
@@ -121,11 +91,11 @@ class TierlabApp(App):
         super().__init__()
         self.max_tokens = max_tokens
         self.start_theme = theme
-        self.model_dir = None if model_dir is None else Path(model_dir)
+        self.options = options
+        self.model_dir = None if options is None else Path(options.model)
         self.engine_factory = engine_factory
-        self.cache_slots = cache_slots
-        self.tier = tier
-        self.heat_path = None if heat is None else Path(heat)
+        self.tier = options is not None and options.tier.enabled
+        self.heat_path = None if options is None or not options.tier.heat_file else Path(options.tier.heat_file)
         self.sessions_dir = Path(sessions_dir)
         self.seed = seed
         self.engine = None
@@ -146,7 +116,7 @@ class TierlabApp(App):
     # -- layout --------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield SteadyHeader()
+        yield TitleBar()
         with Horizontal(id="main"):
             yield ChatPane(id="chat")
             with Vertical(id="side"):
@@ -181,14 +151,14 @@ class TierlabApp(App):
     @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
     def load_engine(self) -> None:
         """Open the model without blocking the screen (first loads compile kernels)."""
-        if self.engine_factory is None and self.model_dir is None:
+        if self.engine_factory is None and self.options is None:
             self._call_ui(self._engine_failed, "no model: start with --model DIR")
             return
         try:
             if self.engine_factory is not None:
                 engine = self.engine_factory()
             else:
-                engine = open_engine(self.model_dir, self.cache_slots, self.tier, self.heat_path)
+                engine = self.options.open()
         except TierlabError as exc:
             self._call_ui(self._engine_failed, one_line(exc))
             return
@@ -468,26 +438,26 @@ class TierlabApp(App):
     # -- screens and files ---------------------------------------------------
 
     def action_help(self) -> None:
-        from tierlab.app.help_screen import HelpScreen
+        from tierlab.app.tui.help_screen import HelpScreen
 
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
     def action_heat_inspector(self) -> None:
-        from tierlab.app.heat_screen import HeatInspector
+        from tierlab.app.tui.heat_screen import HeatInspector
 
         if not isinstance(self.screen, HeatInspector):
             self.push_screen(HeatInspector(initial=self.heat_path))
 
     def action_sessions(self) -> None:
-        from tierlab.app.sessions_screen import SessionsScreen
+        from tierlab.app.tui.sessions_screen import SessionsScreen
 
         if not isinstance(self.screen, SessionsScreen):
             self.push_screen(SessionsScreen())
 
     def action_save_heat(self, path: str | Path | None = None) -> Path | None:
         """Write this session's routing counts as a heat profile (seed format)."""
-        from tierlab.app.files import save_session_heat
+        from tierlab.app.tui.files import save_session_heat
 
         if self.engine is None:
             self.notify("no model loaded", severity="error")
@@ -502,7 +472,7 @@ class TierlabApp(App):
 
     def action_toggle_recording(self) -> None:
         """Start or stop writing a session log of every token and knob change."""
-        from tierlab.app.recording import start_recording
+        from tierlab.app.tui.recording import start_recording
 
         if self.engine is None or self.watch is None:
             self.notify("no model loaded", severity="error")

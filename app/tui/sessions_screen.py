@@ -1,7 +1,7 @@
 """Sessions and A/B (F3): the recorded session logs, and two of them side by side.
 
 Pick a log as A and another as B; the A/B table is the engine's own
-(`tierlab.engine.abtable`), so the app shows the same figures as
+(`tierlab.app.lab.abtable`), so the app shows the same figures as
 `tierlab compare`, and can export them as markdown for a pull request.
 """
 
@@ -18,8 +18,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
-from tierlab.app.files import describe_log, list_logs, stamped_path
-from tierlab.engine import abtable
+from tierlab.app.tui.files import describe_log, list_logs, stamped_path
+from tierlab.app.lab import abtable
 from tierlab.engine.errors import TierlabError
 
 

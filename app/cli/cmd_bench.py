@@ -1,8 +1,8 @@
 """`tierlab bench kernels|decode`: kernel and end-to-end speed next to the memory roofline.
 
 Each benchmark is a sub-subcommand registered in BENCHES (`kernels`: matvec
-and fused-expert throughput, engine/bench_kernels.py; `decode`: the engine
-end to end, engine/bench_decode.py); adding one never touches the others.
+and fused-expert throughput, app/lab/bench_kernels.py; `decode`: the engine
+end to end, app/lab/bench_decode.py); adding one never touches the others.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _add_kernels(sub) -> None:
 
 
 def _run_kernels(args: argparse.Namespace) -> int:
-    from tierlab.engine.bench_kernels import format_report, run_kernel_bench
+    from tierlab.app.lab.bench_kernels import format_report, run_kernel_bench
 
     def progress(what: str) -> None:
         if not args.json:
@@ -44,7 +44,7 @@ def _run_kernels(args: argparse.Namespace) -> int:
 
 
 def _add_decode(sub) -> None:
-    from tierlab.app.engine_args import add_model_args
+    from tierlab.app.cli.engine_options import add_model_args
 
     p = sub.add_parser("decode", help="the engine end to end: prefill and decode tok/s against the roofline")
     add_model_args(p)
@@ -56,8 +56,8 @@ def _add_decode(sub) -> None:
 
 
 def _run_decode(args: argparse.Namespace) -> int:
-    from tierlab.app.engine_args import open_engine, print_notices
-    from tierlab.engine.bench_decode import format_decode_report, run_decode_bench
+    from tierlab.app.cli.engine_options import open_engine, print_notices
+    from tierlab.app.lab.bench_decode import format_decode_report, run_decode_bench
 
     engine = open_engine(args, with_tokenizer=False)
     try:
@@ -80,11 +80,11 @@ def add_parser(subparsers) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH")
     for add in BENCHES.values():
         add(sub)
-    parser.set_defaults(run=run, _bench_parser=parser)
+    parser.set_defaults(run=run, bench_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_run", None) is None:
-        args._bench_parser.print_help()
+        args.bench_parser.print_help()
         return 2
     return int(args.bench_run(args) or 0)

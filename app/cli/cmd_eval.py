@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tierlab.app.engine_args import add_model_args, open_engine, print_notices
-from tierlab.engine.evaluate import format_report, read_ref, run_eval
+from tierlab.app.cli.engine_options import add_model_args, open_engine, print_notices
+from tierlab.app.lab.evaluate import format_report, read_ref, run_eval
 from tierlab.engine.session import EngineLog
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tierlab.app.engine_args import add_model_args, open_engine, print_notices
+from tierlab.app.cli.engine_options import add_model_args, open_engine, print_notices
 from tierlab.engine.errors import ModelError
 from tierlab.engine.session import EngineLog
 

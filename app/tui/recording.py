@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierlab.app.files import LOG_SUFFIX, stamped_path
+from tierlab.app.tui.files import LOG_SUFFIX, stamped_path
 from tierlab.engine.knobs import KnobChange
 from tierlab.engine.session import EngineLog
 

@@ -66,7 +66,7 @@ class LogListing:
 
 def describe_log(path: Path) -> LogListing:
     """Read a log's header line and count its records (a damaged header reads as "not a session log")."""
-    from tierlab.engine.abtable import knob_label
+    from tierlab.app.lab.abtable import knob_label
 
     stat = path.stat()
     knobs = "not a session log"

@@ -6,11 +6,11 @@ import argparse
 import sys
 import warnings
 
-from tierlab.engine.abtable import distinct_labels, render_markdown, render_text, summarise_logs
+from tierlab.app.lab.abtable import distinct_labels, render_markdown, render_text, summarise_logs
 from tierlab.engine.errors import FormatError
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "compare",
         help="A/B table (hit rates, oracle, swap, agreement, KL, timings) from session logs",

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from tierlab.engine.belady import CacheReplay, belady_hits
+from tierlab.app.lab.belady import CacheReplay, belady_hits
 from tierlab.engine.errors import FormatError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobValues
 from tierlab.engine.routing import topk_kl

@@ -54,8 +54,8 @@ class HelpScreen(ModalScreen):
     BINDINGS = [Binding("escape,f1,q,question_mark", "dismiss", "Close help")]
 
     def binding_sources(self) -> list[tuple[str, list]]:
-        from tierlab.app.heat_screen import HeatInspector
-        from tierlab.app.sessions_screen import SessionsScreen
+        from tierlab.app.tui.heat_screen import HeatInspector
+        from tierlab.app.tui.sessions_screen import SessionsScreen
         from tierlab.widgets.heatmap import ExpertHeatmap
         from tierlab.widgets.knob import Knob
 

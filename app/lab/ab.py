@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Callable
 
 from tierlab.engine.errors import TierlabError
-from tierlab.engine.evaluate import greedy_decode, teacher_forced_nll
+from tierlab.app.lab.evaluate import greedy_decode, teacher_forced_nll
 from tierlab.engine.knobs import SPEC_BY_NAME, Knobs, KnobValues
+from tierlab.engine.options import EngineOptions
+from tierlab.engine.tiering import TierOptions
 
 ENGINE_SETTINGS = ("CACHE", "TIER", "TIER_GB", "TIER_DEVICE", "HEAT_FILE", "TIER_NO_WARMSTART")
 
@@ -84,20 +86,18 @@ def parse_row(text: str, default_engine: dict[str, str]) -> RowSpec:
 
 
 def _open(model_dir: Path, settings: tuple[tuple[str, str], ...]):
-    from tierlab.engine.model import load_engine
-    from tierlab.engine.tiering import TierOptions
-
+    """An engine with a row's settings; its knobs start at their defaults (each run sets its own)."""
     env = dict(settings)
     cache = int(env["CACHE"]) if env.get("CACHE") else None
     tier = TierOptions.from_env({k: v for k, v in env.items() if k != "CACHE"})
-    return load_engine(model_dir, cache_slots=cache, knobs=Knobs(), with_tokenizer=False, tier=tier)
+    return EngineOptions(model_dir, cache, tier, knobs_from_env=False).open(with_tokenizer=False)
 
 
 def _run_once(engine, spec: RowSpec, prompt, full) -> tuple[dict, list[int], dict]:
     engine.knobs = Knobs(spec.knobs)
     engine.cold_start()
     generated, decode = greedy_decode(engine, prompt, len(full) - len(prompt))
-    from tierlab.engine.evaluate import collect_meters
+    from tierlab.app.lab.evaluate import collect_meters
 
     meters = collect_meters(engine, decode)
     meters["gpu_tier"] = engine.tier is not None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-from tierlab.engine.ab import run_ab
-from tierlab.engine.abtable import render_markdown, render_text
+from tierlab.app.lab.ab import run_ab
+from tierlab.app.lab.abtable import render_markdown, render_text
+from tierlab.app.lab.evaluate import read_ref
 from tierlab.engine.errors import TierlabError
-from tierlab.engine.evaluate import read_ref
-from tierlab.app.engine_args import DEFAULT_MODEL
+from tierlab.engine.options import default_model
 
 
 def add_parser(subparsers) -> None:
@@ -17,7 +18,8 @@ def add_parser(subparsers) -> None:
         "ab", help="A/B rows of knob settings against a reference, as one table",
         description="Each --row is NAME=VALUE words: knobs (CACHE_ROUTE, ROUTE_J, ...) or engine settings "
                     "(CACHE, TIER, TIER_GB, TIER_DEVICE, HEAT_FILE, TIER_NO_WARMSTART); 'off' = all defaults.")
-    p.add_argument("--model", metavar="DIR", default=str(DEFAULT_MODEL))
+    p.add_argument("--model", metavar="DIR", type=Path, default=default_model(),
+                   help=f"model folder or tierlab container (default: the shipped {default_model().name})")
     p.add_argument("--ref", required=True, help="reference file (ref.json)")
     p.add_argument("--row", action="append", required=True, metavar="SETTINGS", help='e.g. "CACHE_ROUTE=1 ROUTE_J=4"')
     p.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up (default 3)")

@@ -1,6 +1,6 @@
 """Micro-benchmark of the GPU tier's fused expert at real shapes.
 
-    python -m tierlab.engine.tiers.bench_tier [--hidden 2048 --inter 512 --per-call 8 ...]
+    python -m tierlab.app.lab.bench_tier [--hidden 2048 --inter 512 --per-call 8 ...]
 
 Prints the device, then per blob kind: experts/s and the GB/s of weights the
 device streams (blob bytes x experts/s), for one token's worth of experts per

@@ -1,0 +1,1 @@
+"""The `tierlab` command line: one module per command, listed in `main.COMMANDS`."""

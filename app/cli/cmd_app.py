@@ -1,0 +1,41 @@
+"""`tierlab app`: the terminal app (also what `tierlab` alone, or with only options, opens)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tierlab.app.cli.engine_options import add_model_args, options_from_args
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "app",
+        help="open the terminal app: chat while tuning cache-aware routing",
+        description="Chat with a Mixture-of-Experts model while watching its experts move between tiers "
+        "and tuning the routing knobs live. Takes the same model, cache, tier and knob flags as every "
+        "other command.",
+    )
+    add_model_args(parser)
+    parser.add_argument("--sessions", type=Path, default=Path("tierlab-sessions"), metavar="DIR",
+                        help="folder for recorded session logs, saved heat and A/B exports (default: ./tierlab-sessions)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--theme", default=None, metavar="NAME",
+                        help="colour theme, e.g. textual-dark, nord, gruvbox, tokyo-night (ctrl+p lists them all)")
+    parser.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens per reply at start (default 64)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierlab.app.tui.app import TierlabApp
+
+    app = TierlabApp(
+        options_from_args(args),
+        sessions_dir=args.sessions,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        theme=args.theme,
+    )
+    app.run()
+    return int(app.return_code or 0)

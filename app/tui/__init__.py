@@ -1,0 +1,1 @@
+"""The terminal app: chat, knobs, heatmap, meters, heat inspector and sessions."""

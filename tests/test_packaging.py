@@ -1,0 +1,48 @@
+"""A built wheel (what `pip install .` installs) ships the models and the stylesheet and runs from anywhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def unpacked_wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(REPO)], check=True, capture_output=True, timeout=300)
+    (wheel,) = out.glob("tierlab-*.whl")
+    site = out / "site"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(site)
+    for shipped in ("tierlab/assets/tiny-moe/config.json", "tierlab/assets/tiny-moe/model.safetensors",
+                    "tierlab/assets/tiny-moe/tokenizer.json", "tierlab/assets/tiny-moe-8x2/model.safetensors",
+                    "tierlab/app/tui/tierlab.tcss", "tierlab/app/cli/main.py", "tierlab/app/lab/belady.py"):
+        assert shipped in names, f"the wheel lacks {shipped}"
+    assert not any(n.startswith("tierlab/tests/") for n in names)
+    return site
+
+
+def _run(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(site))
+    return subprocess.run([sys.executable, "-m", "tierlab", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_wheel_generates_on_its_shipped_model_from_another_directory(unpacked_wheel, tmp_path):
+    where = _run(unpacked_wheel, tmp_path, "--version")
+    assert where.returncode == 0 and where.stdout.strip() == "tierlab 0.1.0"
+    probe = subprocess.run([sys.executable, "-c", "import tierlab; print(tierlab.__file__)"], cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=str(unpacked_wheel)), capture_output=True, text=True)
+    assert probe.stdout.strip() == str(unpacked_wheel / "tierlab" / "__init__.py")
+    result = _run(unpacked_wheel, tmp_path, "generate", "--prompt", "Once upon a time", "-n", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    assert '"text"' in result.stdout
