@@ -13,6 +13,7 @@ import pytest
 
 from tierlab.app.cli import main as cli_main
 from tierlab.engine import quant as Q
+from tierlab.engine.blob_layout import BlobLayout
 from tierlab.engine.container import (
     CONTAINER_JSON, DENSE_FILE, EXPERTS_BIN, ContainerExpertSource, convert, read_container_info,
 )
@@ -89,7 +90,8 @@ def _write_fused_vl(folder: Path):
     folder.mkdir(parents=True)
     cfg = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
            "text_config": {"model_type": "qwen3_5_moe_text", "num_hidden_layers": LAYERS, "num_experts": EXPERTS,
-                           "hidden_size": HIDDEN, "moe_intermediate_size": INTER, "num_experts_per_tok": 2}}
+                           "hidden_size": HIDDEN, "moe_intermediate_size": INTER, "num_experts_per_tok": 2,
+                           "vocab_size": 256, "num_attention_heads": 2}}
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "tokenizer.json").write_text("{}")
     experts, dense, shards, weight_map = {}, {}, [{}, {}], {}
@@ -172,7 +174,7 @@ def test_metadata_and_alignment(containers):
     assert (info.n_layers, info.n_experts, info.hidden, info.inter, info.bits, info.group) == (LAYERS, EXPERTS, HIDDEN, INTER, 4, 64)
     assert info.blob_stride % 4096 == 0 and all(o % 4096 == 0 for o in info.layer_offsets)
     raw = json.loads((containers["fused_vl", 4] / CONTAINER_JSON).read_text())
-    assert raw["format"] == "tierlab-experts" and raw["version"] == 1 and raw["blob_nbytes"] == Q.BlobLayout(4, HIDDEN, INTER).nbytes
+    assert raw["format"] == "tierlab-experts" and raw["version"] == 1 and raw["blob_nbytes"] == BlobLayout("int4", HIDDEN, INTER).nbytes
 
 
 def test_refuses_to_overwrite_without_force(checkpoints, tmp_path, capsys):
@@ -223,8 +225,9 @@ def test_bad_metadata_is_a_one_line_error(containers, tmp_path):
 def test_dims_not_multiple_of_64_are_refused(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_local_experts": 2,
-                                                     "hidden_size": 96, "moe_intermediate_size": 64}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_local_experts": 2,
+                                                     "hidden_size": 96, "moe_intermediate_size": 64, "num_experts_per_tok": 1,
+                                                     "vocab_size": 256, "num_attention_heads": 2}))
     with pytest.raises(ModelError, match="multiples of 64") as exc:
         convert(folder, tmp_path / "out")
     assert "\n" not in str(exc.value)
