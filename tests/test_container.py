@@ -263,6 +263,38 @@ def test_synthetic_config_has_the_real_per_layer_shapes(arch):
         assert cfg.norm_topk_prob is True
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+def test_synthetic_config_reads_back_through_the_engine_parser(arch):
+    from tierlab.app.cmd_make_synthetic import synthetic_config
+    from tierlab.engine.config import parse_config
+
+    cfg = synthetic_config(arch, layers=5, experts=16, top_k=8, vocab=4096)
+    parsed = parse_config(cfg.to_dict(), Path("config.json"))
+    assert parsed.arch == arch
+    assert (parsed.hidden_size, parsed.n_layers, parsed.n_experts, parsed.top_k, parsed.vocab_size) == (2048, 5, 16, 8, 4096)
+    assert (parsed.n_heads, parsed.n_kv_heads, parsed.head_dim, parsed.moe_inter) == (
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.moe_intermediate_size)
+    assert parsed.layer_types == list(getattr(cfg, "layer_types", None) or ["full_attention"] * 5)
+    assert parsed.rope_theta == cfg.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+def test_synthetic_weights_are_what_save_pretrained_writes(checkpoints, tmp_path, arch):
+    """make-synthetic streams the state dict itself: same names, dtypes and bytes as save_pretrained."""
+    from tierlab.app.cmd_make_synthetic import write_weights
+
+    dtype = "bfloat16" if arch == "qwen3_moe" else "float32"
+    write_weights(_hf_model(arch, dtype).state_dict(), tmp_path / "model.safetensors")
+    from tierlab.engine.safetensors_file import read_header
+
+    ours, theirs = _saved_tensors(tmp_path), _saved_tensors(checkpoints[arch][0])
+    kinds = [{k: (i.dtype, i.shape) for k, i in read_header(next(folder.glob("*.safetensors"))).items()}
+             for folder in (tmp_path, checkpoints[arch][0])]
+    assert kinds[0] == kinds[1]
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
+
+
 def test_synthetic_tokenizer_round_trips_bytes(tmp_path):
     from tokenizers import Tokenizer
 
