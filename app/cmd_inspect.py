@@ -32,7 +32,7 @@ def container_summary(folder: Path) -> list[tuple[str, str]]:
     dense = folder / DENSE_FILE
     return [
         ("kind", "tierlab quantised container"),
-        ("architecture", cfg.arch),
+        ("architecture", cfg.model_type),
         ("layers", str(info.n_layers)),
         ("experts", f"{info.n_experts} per layer, top-{cfg.top_k}"),
         ("hidden", str(info.hidden)),
@@ -65,7 +65,7 @@ def checkpoint_summary(folder: Path) -> list[tuple[str, str]]:
     per_expert = expert_bytes // max(1, cfg.n_layers * cfg.n_experts)
     return [
         ("kind", "Hugging Face checkpoint"),
-        ("architecture", cfg.arch),
+        ("architecture", cfg.model_type),
         ("layers", str(cfg.n_layers)),
         ("experts", f"{cfg.n_experts} per layer, top-{cfg.top_k}, {'fused' if ckpt.fused_experts else 'per-expert'} layout"),
         ("hidden", str(cfg.hidden_size)),

@@ -29,6 +29,7 @@ from tierlab.engine.checkpoint import EXPERT_TENSOR, Checkpoint, to_f32
 from tierlab.engine.config import load_config
 from tierlab.engine.errors import ModelError
 from tierlab.engine.kernels import qmatvec
+from tierlab.engine.qlinear import quantize_matrix
 from tierlab.engine.quant import build_blob_fast
 from tierlab.engine.safetensors_file import TensorSpec, read_tensor, write_file
 
@@ -253,8 +254,6 @@ def _entry_array(ckpt: Checkpoint, entry: DenseEntry, dense_bits: int, memo: dic
             t = t.astype(ml_dtypes.bfloat16).view(np.uint16)
         return t
     if memo.get("source") != entry.source:
-        from tierlab.engine.qlinear import quantize_matrix
-
         memo["source"], memo["matrix"] = entry.source, quantize_matrix(to_f32(read_tensor(info)), dense_bits)
     m = memo["matrix"]
     return m.q if entry.part == "qweight" else m.scales
