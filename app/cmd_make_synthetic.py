@@ -21,10 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tierlab.engine.checkpoint import Checkpoint
 from tierlab.engine.config import QWEN3_5_MOE, QWEN3_MOE, load_config
 from tierlab.engine.errors import ModelError
-from tierlab.engine.safetensors_file import TensorSpec, dtype_name, write_file
 
 #: the architecture presets make-synthetic writes
 ARCHS = (QWEN3_5_MOE, QWEN3_MOE)
@@ -118,6 +116,8 @@ def write_weights(state_dict: dict, path: Path) -> int:
     gate rows first, and `down_proj` [E, H, I]); they are written per expert
     (`experts.{e}.gate_proj.weight` ...), the names `save_pretrained` writes.
     """
+    from tierlab.engine.safetensors_file import TensorSpec, dtype_name, write_file
+
     parts = []  # (name, tensor) in file order; expert slices are views, converted one at a time
     for name in sorted(state_dict):
         t = state_dict[name]
@@ -168,6 +168,13 @@ def write_tokenizer(out: Path, vocab: int) -> None:
     (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
 
 
+def read_back(out: Path) -> None:
+    """Read the written folder with the engine's config parser and checkpoint reader (ModelError if not)."""
+    from tierlab.engine.checkpoint import Checkpoint
+
+    Checkpoint(out, load_config(out)).expert_pieces(0)
+
+
 def _byte_of(ch: str) -> int:
     """Inverse of GPT-2's byte-to-unicode map (printable bytes map to themselves)."""
     code = ord(ch)
@@ -191,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"building {args.arch}: {args.layers} layers x {args.experts} experts, vocab {args.vocab} ...", file=sys.stderr)
     build_checkpoint(args.arch, args.layers, args.experts, args.top_k, args.vocab, args.seed, out)
     write_tokenizer(out, args.vocab)
-    Checkpoint(out, load_config(out)).expert_pieces(0)  # what was written reads back, with the real shapes
+    read_back(out)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({size / 2**20:.0f} MiB of safetensors)")
     return 0
