@@ -46,7 +46,7 @@ class ModelConfig:
     tie_embeddings: bool
     layer_types: list[str]  # "full_attention" | "linear_attention" per layer
     moe_layers: list[bool]  # False: dense SwiGLU MLP (qwen3_moe mlp_only_layers)
-    zero_centred_norm: bool  # Qwen3.5: y = x_hat * (1 + w)
+    zero_centred_norm: bool  # Qwen3.5: y = x_hat * (1 + w); the checkpoint returns such norms as 1 + w
     attn_output_gate: bool  # Qwen3.5: q_proj carries a per-head sigmoid gate
     # Gated DeltaNet (Qwen3.5 linear_attention layers)
     lin_k_heads: int = 0

@@ -18,16 +18,20 @@ import json
 import os
 import re
 import shutil
-import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
+from tierlab.engine.blob_layout import BLOB_ALIGN, GROUP, BlobLayout, check_dims, quant_kind
+from tierlab.engine.checkpoint import EXPERT_TENSOR, Checkpoint, to_f32
+from tierlab.engine.config import load_config
 from tierlab.engine.errors import ModelError
 from tierlab.engine.kernels import qmatvec
-from tierlab.engine.quant import BLOB_ALIGN, GROUP, BlobLayout, build_blob_fast, check_dims
+from tierlab.engine.qlinear import quantize_matrix
+from tierlab.engine.quant import build_blob_fast
+from tierlab.engine.safetensors_file import TensorSpec, read_tensor, write_file
 
 CONTAINER_JSON = "tierlab_container.json"
 EXPERTS_BIN = "experts.bin"
@@ -35,14 +39,6 @@ DENSE_FILE = "dense.safetensors"
 FORMAT_NAME = "tierlab-experts"
 FORMAT_VERSION = 1
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
-
-
-def blob_nbytes_for(kind: str, hidden: int, inter: int) -> int:
-    """Bytes of one expert blob of a kind (fp32/bf16 raw, int8/int4 container)."""
-    if kind in ("fp32", "bf16"):
-        return qmatvec.raw_blob_nbytes(kind, hidden, inter)
-    return BlobLayout({"int8": 8, "int4": 4}[kind], hidden, inter).nbytes
 
 
 # --- container metadata ---------------------------------------------------------------------
@@ -69,7 +65,7 @@ class ContainerInfo:
 
     @property
     def kind(self) -> str:
-        return f"int{self.bits}"
+        return quant_kind(self.bits)
 
     @property
     def experts_nbytes(self) -> int:
@@ -115,7 +111,7 @@ def read_container_info(folder: str | Path) -> ContainerInfo:
         check_dims(hidden, inter, group)
     except ValueError as exc:
         raise ModelError(str(exc), path) from None
-    layout = BlobLayout(bits, hidden, inter)
+    layout = BlobLayout(quant_kind(bits), hidden, inter)
     if blob_nbytes != layout.nbytes:
         raise ModelError(f"blob_nbytes {blob_nbytes} does not match the layout ({layout.nbytes})", path)
     stride = int(raw.get("blob_stride", layout.stride))
@@ -201,161 +197,7 @@ class ContainerExpertSource:
             os.close(fd)
 
 
-# --- reading a Hugging Face checkpoint ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MoeDims:
-    n_layers: int
-    n_experts: int
-    hidden: int
-    inter: int
-    top_k: int
-    architecture: str
-
-
-def read_moe_dims(model_dir: str | Path) -> MoeDims:
-    """MoE sizes from config.json (flat or nested under text_config)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelError("missing config.json", path) from None
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"unreadable config ({str(exc).splitlines()[0]})", path) from None
-    text = cfg.get("text_config") or cfg
-    arch = cfg.get("model_type") or text.get("model_type") or "?"
-    try:
-        n_experts = text.get("num_experts", text.get("num_local_experts"))
-        return MoeDims(
-            int(text["num_hidden_layers"]), int(n_experts), int(text["hidden_size"]),
-            int(text["moe_intermediate_size"]), int(text.get("num_experts_per_tok", 0)), str(arch),
-        )
-    except (KeyError, TypeError, ValueError):
-        raise ModelError(
-            "not a MoE config (needs num_hidden_layers, num_experts or num_local_experts, hidden_size, moe_intermediate_size)",
-            path,
-        ) from None
-
-
-class Checkpoint:
-    """Tensor names of a safetensors checkpoint (single file or sharded) and lazy reads."""
-
-    def __init__(self, model_dir: str | Path) -> None:
-        import ml_dtypes  # noqa: F401  (registers bfloat16 so safetensors' numpy reader can return it)
-        from safetensors import safe_open
-
-        self.dir = Path(model_dir)
-        self._open = safe_open
-        self._handles: dict[Path, object] = {}
-        index = self.dir / "model.safetensors.index.json"
-        self.file_of: dict[str, Path] = {}
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
-                raise ModelError(f"unreadable shard index ({exc})", index) from None
-            self.file_of = {name: self.dir / fname for name, fname in weight_map.items()}
-        else:
-            files = sorted(self.dir.glob("*.safetensors"))
-            if not files:
-                raise ModelError("no *.safetensors files", self.dir)
-            for f in files:
-                for name in self._handle(f).keys():
-                    self.file_of[name] = f
-
-    def _handle(self, path: Path):
-        if path not in self._handles:
-            try:
-                self._handles[path] = self._open(str(path), framework="np")
-            except FileNotFoundError:
-                raise ModelError("missing shard", path) from None
-            except Exception as exc:  # safetensors raises its own error types
-                raise ModelError(f"unreadable safetensors ({str(exc).splitlines()[0]})", path) from None
-        return self._handles[path]
-
-    def names(self) -> list[str]:
-        return list(self.file_of)
-
-    def tensor(self, name: str) -> np.ndarray:
-        return self._handle(self.file_of[name]).get_tensor(name)
-
-    def slice(self, name: str):
-        """A lazy slice object: slice(name)[e] reads only expert e."""
-        return self._handle(self.file_of[name]).get_slice(name)
-
-    def dtype_shape(self, name: str) -> tuple[str, list[int]]:
-        s = self.slice(name)
-        return s.get_dtype(), list(s.get_shape())
-
-    def close(self) -> None:
-        self._handles.clear()
-
-
-_EXPERT_RE = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<rest>.+)$")
-
-
-def is_ignored(name: str) -> bool:
-    return name.startswith(IGNORED_PREFIXES)
-
-
-def find_layer_prefix(names: list[str]) -> str:
-    """The text model's prefix (`model.` or `model.language_model.`), from the expert tensors."""
-    prefixes = {m["prefix"] for n in names if not is_ignored(n) and (m := _EXPERT_RE.match(n))}
-    if len(prefixes) != 1:
-        raise ModelError(f"expected expert tensors under one prefix, found {sorted(prefixes) or 'none'}")
-    return prefixes.pop()
-
-
-class ExpertReader:
-    """Yields (gate [I,H], up [I,H], down [H,I]) per expert, for either expert layout."""
-
-    def __init__(self, ckpt: Checkpoint, prefix: str, dims: MoeDims) -> None:
-        self.ckpt, self.prefix, self.dims = ckpt, prefix, dims
-
-    def _name(self, layer: int, rest: str) -> str:
-        return f"{self.prefix}layers.{layer}.mlp.experts.{rest}"
-
-    def _fused_name(self, layer: int, what: str) -> str | None:
-        for name in (self._name(layer, what), self._name(layer, what + ".weight")):
-            if name in self.ckpt.file_of:
-                return name
-        return None
-
-    def layer(self, layer: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        d = self.dims
-        gate_up = self._fused_name(layer, "gate_up_proj")
-        if gate_up is not None:
-            down = self._fused_name(layer, "down_proj")
-            if down is None:
-                raise ModelError(f"layer {layer} has fused gate_up_proj but no down_proj", self.ckpt.dir)
-            gu_slice, d_slice = self.ckpt.slice(gate_up), self.ckpt.slice(down)
-            self._check_shape(gate_up, gu_slice.get_shape(), [d.n_experts, 2 * d.inter, d.hidden])
-            self._check_shape(down, d_slice.get_shape(), [d.n_experts, d.hidden, d.inter])
-            for e in range(d.n_experts):
-                gu = gu_slice[e : e + 1][0]
-                yield gu[: d.inter], gu[d.inter :], d_slice[e : e + 1][0]
-            return
-        for e in range(d.n_experts):
-            mats = []
-            for proj, shape in (("gate_proj", [d.inter, d.hidden]), ("up_proj", [d.inter, d.hidden]), ("down_proj", [d.hidden, d.inter])):
-                name = self._name(layer, f"{e}.{proj}.weight")
-                if name not in self.ckpt.file_of:
-                    raise ModelError(f"missing tensor {name}", self.ckpt.dir)
-                t = self.ckpt.tensor(name)
-                self._check_shape(name, list(t.shape), shape)
-                mats.append(t)
-            yield tuple(mats)
-
-    def _check_shape(self, name: str, got: list[int], want: list[int]) -> None:
-        if list(got) != want:
-            raise ModelError(f"tensor {name} has shape {list(got)}, config implies {want}", self.ckpt.dir)
-
-
 # --- writing ---------------------------------------------------------------------------------
-
-_ST_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
 
 # The dense projections `--dense-bits` quantises: every matrix a token multiplies
 # whole. The router (mlp.gate), the shared expert's one-row gate, the embedding
@@ -369,11 +211,10 @@ _QUANT_SOURCE_DTYPES = ("BF16", "F16", "F32")
 
 @dataclass(frozen=True)
 class DenseEntry:
-    """One tensor of dense.safetensors: a copy of `source`, or its qweight / qscales part."""
+    """One tensor of dense.safetensors: a copy of the source tensor `source` (a relative
+    name), or its qweight / qscales part."""
 
-    name: str
-    dtype: str
-    shape: list[int]
+    spec: TensorSpec
     source: str
     part: str = "copy"  # "copy" | "qweight" | "qscales"
 
@@ -385,35 +226,35 @@ def quantises(name: str, dtype: str, shape: list[int], dense_bits: int) -> bool:
 
 
 def _dense_plan(ckpt: Checkpoint, dense_bits: int = 0) -> list[DenseEntry]:
-    """Every tensor of dense.safetensors, in source name order."""
+    """Every tensor of dense.safetensors, in stored name order, under its stored name."""
     plan = []
-    for name in sorted(ckpt.names()):
-        if is_ignored(name) or _EXPERT_RE.match(name):
+    for rel, info in sorted(ckpt.tensors.items(), key=lambda item: item[1].name):
+        if EXPERT_TENSOR.match(rel):
             continue
-        dtype, shape = ckpt.dtype_shape(name)
-        if quantises(name, dtype, shape, dense_bits):
+        name, dtype, shape = info.name, info.dtype, info.shape
+        if quantises(name, dtype, list(shape), dense_bits):
             rows, cols = shape
-            plan.append(DenseEntry(name + ".qweight", "I8" if dense_bits == 8 else "U8",
-                                   [rows, cols if dense_bits == 8 else cols // 2], name, "qweight"))
-            plan.append(DenseEntry(name + ".qscales", "F32", [rows, cols // GROUP], name, "qscales"))
+            plan.append(DenseEntry(TensorSpec(name + ".qweight", "I8" if dense_bits == 8 else "U8",
+                                              (rows, cols if dense_bits == 8 else cols // 2)), rel, "qweight"))
+            plan.append(DenseEntry(TensorSpec(name + ".qscales", "F32", (rows, cols // GROUP)), rel, "qscales"))
         else:
-            plan.append(DenseEntry(name, "BF16" if dtype == "F32" else dtype, shape, name))
+            plan.append(DenseEntry(TensorSpec(name, "BF16" if dtype == "F32" else dtype, shape), rel))
     return plan
 
 
 def _entry_array(ckpt: Checkpoint, entry: DenseEntry, dense_bits: int, memo: dict) -> np.ndarray:
-    """The bytes of one plan entry; a quantised matrix is computed once for its two parts."""
+    """The bytes of one plan entry, read as stored (no load-time normalisation);
+    a quantised matrix is computed once for its two parts."""
     import ml_dtypes
 
+    info = ckpt.tensors[entry.source]
     if entry.part == "copy":
-        t = ckpt.tensor(entry.source)
-        if t.dtype == np.float32 and entry.dtype == "BF16":
-            t = t.astype(ml_dtypes.bfloat16)
+        t = read_tensor(info)
+        if info.dtype == "F32" and entry.spec.dtype == "BF16":
+            t = t.astype(ml_dtypes.bfloat16).view(np.uint16)
         return t
     if memo.get("source") != entry.source:
-        from tierlab.engine.qlinear import quantize_matrix
-
-        memo["source"], memo["matrix"] = entry.source, quantize_matrix(ckpt.tensor(entry.source), dense_bits)
+        memo["source"], memo["matrix"] = entry.source, quantize_matrix(to_f32(read_tensor(info)), dense_bits)
     m = memo["matrix"]
     return m.q if entry.part == "qweight" else m.scales
 
@@ -422,32 +263,22 @@ def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | 
                 dense_bits: int = 0) -> int:
     """Stream every non-expert tensor into one safetensors file; returns its data bytes.
 
-    Written by hand (header, then tensors one at a time) so that peak memory is
-    one tensor, not the whole embedding + lm_head. With dense_bits 8 or 4 the
+    Streamed (header, then tensors one at a time) so that peak memory is one
+    tensor, not the whole embedding + lm_head. With dense_bits 8 or 4 the
     projections `quantises()` names are stored as `<name>.qweight` (I8, or U8
     planar nibbles) and `<name>.qscales` (F32), as in docs/formats.md.
     """
     plan = _dense_plan(ckpt, dense_bits)
-    header, offset = {}, 0
-    for e in plan:
-        name, dtype, shape = e.name, e.dtype, e.shape
-        if dtype not in _ST_DTYPES:
-            raise ModelError(f"tensor {name} has unsupported dtype {dtype}", ckpt.dir)
-        n = int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES[dtype]
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    header["__metadata__"] = {"format": "pt", "writer": "tierlab convert", "dense_bits": str(dense_bits)}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
     memo: dict = {}
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+
+    def arrays():
         for e in plan:
-            f.write(np.ascontiguousarray(_entry_array(ckpt, e, dense_bits, memo)).tobytes())
+            yield _entry_array(ckpt, e, dense_bits, memo)
             if progress:
-                progress(e.name)
-    return offset
+                progress(e.spec.name)
+
+    metadata = {"format": "pt", "writer": "tierlab convert", "dense_bits": str(dense_bits)}
+    return write_file(path, [e.spec for e in plan], arrays(), metadata)
 
 
 def _check_out_dir(out: Path, force: bool, model_dir: Path) -> None:
@@ -482,37 +313,35 @@ def convert(
         raise ModelError(f"--dense-bits must be 4 or 8 (or unset), got {dense_bits}")
     if group != GROUP:
         raise ModelError(f"--group must be {GROUP} (the only group size the kernels support), got {group}")
-    dims = read_moe_dims(model_dir)
+    cfg = load_config(model_dir)
     try:
-        check_dims(dims.hidden, dims.inter, group)
+        check_dims(cfg.hidden_size, cfg.moe_inter, group)
     except ValueError as exc:
         raise ModelError(str(exc), model_dir / "config.json") from None
     _check_out_dir(out, force, model_dir)
-    ckpt = Checkpoint(model_dir)
-    prefix = find_layer_prefix(ckpt.names())
-    reader = ExpertReader(ckpt, prefix, dims)
-    layout = BlobLayout(bits, dims.hidden, dims.inter)
-    layer_bytes = layout.stride * dims.n_experts
-    offsets = [layer * layer_bytes for layer in range(dims.n_layers)]
+    ckpt = Checkpoint(model_dir, cfg)
+    layout = BlobLayout(quant_kind(bits), cfg.hidden_size, cfg.moe_inter)
+    layer_bytes = layout.stride * cfg.n_experts
+    offsets = [layer * layer_bytes for layer in range(cfg.n_layers)]
     info = ContainerInfo(
-        bits, group, dims.n_layers, dims.n_experts, dims.hidden, dims.inter, layout.nbytes, layout.stride,
-        offsets, str(model_dir.resolve()), prefix, dense_bits,
+        bits, group, cfg.n_layers, cfg.n_experts, cfg.hidden_size, cfg.moe_inter, layout.nbytes, layout.stride,
+        offsets, str(model_dir.resolve()), ckpt.prefix, dense_bits,
     )
 
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    total = dims.n_layers + 1
+    total = cfg.n_layers + 1
     try:
         pad = np.zeros(layout.stride - layout.nbytes, dtype=np.uint8)
         with open(tmp / EXPERTS_BIN, "wb") as f:
-            for layer in range(dims.n_layers):
-                for gate, up, down in reader.layer(layer):
-                    f.write(build_blob_fast(gate, up, down, bits).tobytes())
+            for layer in range(cfg.n_layers):
+                for expert in range(cfg.n_experts):
+                    f.write(build_blob_fast(*ckpt.read_expert(layer, expert), bits).tobytes())
                     f.write(pad.tobytes())
                 if progress:
-                    progress(layer + 1, total, f"layer {layer + 1}/{dims.n_layers}")
+                    progress(layer + 1, total, f"layer {layer + 1}/{cfg.n_layers}")
         write_dense(ckpt, tmp / DENSE_FILE, dense_bits=dense_bits)
         for name in COPIED_FILES:
             if (model_dir / name).is_file():
@@ -523,8 +352,6 @@ def convert(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        ckpt.close()
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

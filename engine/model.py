@@ -164,26 +164,25 @@ class Engine:
         t_start = time.perf_counter()
         x = to_f32(self.embed[ids]).reshape(T, cfg.hidden_size).copy()
         routes_by_layer = []
-        zc = cfg.zero_centred_norm
         for layer, state in zip(self.layers, self.states):
             t0 = time.perf_counter()
-            h = rmsnorm(x, layer.input_norm, cfg.rms_eps, zc)
+            h = rmsnorm(x, layer.input_norm, cfg.rms_eps)
             x += layer.mixer.forward(h, self.pos, state)
             timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0
             if ctx.knobs.PILOT:
                 t0 = time.perf_counter()
                 self._pilot().after_mixer(layer.index, x, ctx.knobs)
                 timers["pilot"] += time.perf_counter() - t0
-            h = rmsnorm(x, layer.post_norm, cfg.rms_eps, zc)
+            h = rmsnorm(x, layer.post_norm, cfg.rms_eps)
             out, routes = layer.mlp.forward(h, ctx)
             x += out
             routes_by_layer.append(routes)
         t0 = time.perf_counter()
         if all_logits:
-            xn = rmsnorm(x, self.final_norm, cfg.rms_eps, zc)
+            xn = rmsnorm(x, self.final_norm, cfg.rms_eps)
             logits = linear(self.lm_head, xn)
         else:
-            xn = rmsnorm(x[-1:], self.final_norm, cfg.rms_eps, zc)
+            xn = rmsnorm(x[-1:], self.final_norm, cfg.rms_eps)
             logits = linear(self.lm_head, xn[0])
         timers["lm_head"] += time.perf_counter() - t0
         total = time.perf_counter() - t_start

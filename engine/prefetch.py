@@ -110,7 +110,7 @@ class Pilot:
             if target >= cfg.n_layers or not cfg.moe_layers[target]:
                 continue
             block = engine.layers[target]
-            h = rmsnorm(x[-1:], block.post_norm, cfg.rms_eps, cfg.zero_centred_norm)[0]
+            h = rmsnorm(x[-1:], block.post_norm, cfg.rms_eps)[0]
             z = linear(block.mlp.router_w, h)
             if self.ema_ready[target]:
                 z = (1.0 - knobs.SMOOTH) * z + knobs.SMOOTH * self.ema[target]

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierlab.engine import hugepages
+from tierlab.engine.blob_layout import GROUP, quant_kind
 from tierlab.engine.kernels import qmatvec
 from tierlab.engine.kernels.qmatmat import dequantize_rows, matmat
-from tierlab.engine.quant import GROUP, pack_weights, quantize_fast
+from tierlab.engine.quant import pack_weights, quantize_fast
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class QuantMatrix:
 
     @property
     def kind(self) -> str:
-        return f"int{self.bits}"
+        return quant_kind(self.bits)
 
     def dequantize(self) -> np.ndarray:
         """The float32 matrix the kernels multiply with (q * scale, exactly)."""

@@ -13,29 +13,18 @@ Format summary (see docs/formats.md, "Quantised expert container"):
   group 32 bytes, byte j = (q[j]+8) | ((q[j+32]+8) << 4);
 - a zero group has scale 0 and q 0; dequantised weight = q * scale.
 - one expert blob = [q(gate) | q(up) | q(down) | scales(gate) | scales(up) |
-  scales(down)], scales float32 little-endian, rows x (cols/64) row-major.
+  scales(down)], scales float32 little-endian, rows x (cols/64) row-major
+  (offsets: `tierlab.engine.blob_layout.BlobLayout`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-GROUP = 64
-BLOB_ALIGN = 4096
+from tierlab.engine.blob_layout import GROUP, BlobLayout, check_dims, quant_kind
+
 QMAX = {8: 127, 4: 7}
 QMIN = {8: -127, 4: -8}
-
-
-def check_dims(hidden: int, inter: int, group: int = GROUP) -> None:
-    """Refuse shapes the kernels cannot group (one-line ValueError)."""
-    if group != GROUP:
-        raise ValueError(f"only group size {GROUP} is supported, got {group}")
-    if hidden % group or inter % group or hidden <= 0 or inter <= 0:
-        raise ValueError(
-            f"hidden ({hidden}) and moe_intermediate_size ({inter}) must be positive multiples of {group}"
-        )
 
 
 def quantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,73 +86,30 @@ def unpack_weights(raw: np.ndarray, rows: int, cols: int, bits: int) -> np.ndarr
     return raw.view(np.int8).reshape(rows, cols)
 
 
-@dataclass(frozen=True)
-class BlobLayout:
-    """Byte offsets of one expert blob; shared by the container, kernels and docs."""
-
-    bits: int
-    hidden: int
-    inter: int
-
-    @property
-    def matrix_elems(self) -> int:
-        return self.hidden * self.inter
-
-    @property
-    def qbytes(self) -> int:
-        """Bytes of one matrix's quantised weights."""
-        return self.matrix_elems * self.bits // 8
-
-    @property
-    def sbytes(self) -> int:
-        """Bytes of one matrix's float32 scales."""
-        return self.matrix_elems // GROUP * 4
-
-    @property
-    def nbytes(self) -> int:
-        return 3 * (self.qbytes + self.sbytes)
-
-    @property
-    def stride(self) -> int:
-        """Distance between consecutive blobs in experts.bin (4096-aligned)."""
-        return -(-self.nbytes // BLOB_ALIGN) * BLOB_ALIGN
-
-    def q_offset(self, m: int) -> int:
-        """Start of matrix m's weights (0 gate, 1 up, 2 down)."""
-        return m * self.qbytes
-
-    def s_offset(self, m: int) -> int:
-        """Start of matrix m's scales."""
-        return 3 * self.qbytes + m * self.sbytes
-
-    def shape(self, m: int) -> tuple[int, int]:
-        return (self.inter, self.hidden) if m < 2 else (self.hidden, self.inter)
-
-
 def build_blob(gate: np.ndarray, up: np.ndarray, down: np.ndarray, bits: int) -> np.ndarray:
     """Quantise one expert (gate [I,H], up [I,H], down [H,I]) into its uint8 blob."""
     inter, hidden = gate.shape
     check_dims(hidden, inter)
     if up.shape != (inter, hidden) or down.shape != (hidden, inter):
         raise ValueError(f"expert shapes {gate.shape}, {up.shape}, {down.shape} do not fit [I,H],[I,H],[H,I]")
-    layout = BlobLayout(bits, hidden, inter)
+    layout = BlobLayout(quant_kind(bits), hidden, inter)
     blob = np.empty(layout.nbytes, dtype=np.uint8)
     for m, w in enumerate((gate, up, down)):
         q, s = quantize(w, bits)
-        blob[layout.q_offset(m) : layout.q_offset(m) + layout.qbytes] = pack_weights(q, bits).reshape(-1)
-        blob[layout.s_offset(m) : layout.s_offset(m) + layout.sbytes] = s.astype("<f4").reshape(-1).view(np.uint8)
+        blob[layout.weight_offset(m) : layout.weight_offset(m) + layout.weight_bytes] = pack_weights(q, bits).reshape(-1)
+        blob[layout.scale_offset(m) : layout.scale_offset(m) + layout.scale_bytes] = s.astype("<f4").reshape(-1).view(np.uint8)
     return blob
 
 
 def blob_matrices(blob: np.ndarray, bits: int, hidden: int, inter: int) -> list[np.ndarray]:
     """Float64 dequantised [gate, up, down] of a blob (the test oracle)."""
-    layout = BlobLayout(bits, hidden, inter)
+    layout = BlobLayout(quant_kind(bits), hidden, inter)
     out = []
     for m in range(3):
         rows, cols = layout.shape(m)
-        raw = blob[layout.q_offset(m) : layout.q_offset(m) + layout.qbytes]
+        raw = blob[layout.weight_offset(m) : layout.weight_offset(m) + layout.weight_bytes]
         q = unpack_weights(raw, rows, cols, bits)
-        s = blob[layout.s_offset(m) : layout.s_offset(m) + layout.sbytes].view("<f4").reshape(rows, cols // GROUP)
+        s = blob[layout.scale_offset(m) : layout.scale_offset(m) + layout.scale_bytes].view("<f4").reshape(rows, cols // GROUP)
         out.append(dequantize(q, s))
     return out
 
@@ -236,12 +182,12 @@ def quantize_fast(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
 def build_blob_fast(gate: np.ndarray, up: np.ndarray, down: np.ndarray, bits: int) -> np.ndarray:
     """build_blob with the compiled quantiser (byte-identical)."""
     inter, hidden = gate.shape
-    layout = BlobLayout(bits, hidden, inter)
+    layout = BlobLayout(quant_kind(bits), hidden, inter)
     blob = np.empty(layout.nbytes, dtype=np.uint8)
     for m, w in enumerate((gate, up, down)):
         if w.shape != layout.shape(m):
             raise ValueError(f"expert matrix {m} has shape {w.shape}, expected {layout.shape(m)}")
         q, s = quantize_fast(w, bits)
-        blob[layout.q_offset(m) : layout.q_offset(m) + layout.qbytes] = pack_weights(q, bits).reshape(-1)
-        blob[layout.s_offset(m) : layout.s_offset(m) + layout.sbytes] = s.reshape(-1).view(np.uint8)
+        blob[layout.weight_offset(m) : layout.weight_offset(m) + layout.weight_bytes] = pack_weights(q, bits).reshape(-1)
+        blob[layout.scale_offset(m) : layout.scale_offset(m) + layout.scale_bytes] = s.reshape(-1).view(np.uint8)
     return blob

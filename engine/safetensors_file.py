@@ -1,9 +1,11 @@
-"""Reading safetensors files by offset, with checks that fail in one line.
+"""Reading and writing safetensors files, with checks that fail in one line.
 
 We parse the header ourselves rather than through the `safetensors` package
 because the expert store needs each tensor's absolute byte range to read one
 expert with a positional read, and because an untrusted checkpoint must be
-refused with a message that names the file and the problem.
+refused with a message that names the file and the problem. The writer
+streams: the header first, then one tensor at a time, so that writing a file
+never holds more than one of its tensors in memory.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -28,11 +31,23 @@ DTYPES = {
     "F64": (np.dtype("<f8"), 8),
     "I64": (np.dtype("<i8"), 8),
     "I32": (np.dtype("<i4"), 4),
+    "I16": (np.dtype("<i2"), 2),
     "I8": (np.dtype("i1"), 1),
     "U8": (np.dtype("u1"), 1),
     "BOOL": (np.dtype("u1"), 1),
 }
 MAX_HEADER = 100 * 1024 * 1024
+HEADER_ALIGN = 8  # the JSON header is padded with spaces so that the data starts 8-byte aligned
+
+
+def dtype_name(arr: np.ndarray) -> str:
+    """The safetensors dtype name of an array in storage form (uint16 is bf16, as read_tensor returns it)."""
+    if arr.dtype == np.bool_:
+        return "BOOL"
+    for name, (np_dtype, _) in DTYPES.items():
+        if name != "BOOL" and arr.dtype == np_dtype:
+            return name
+    raise ValueError(f"no safetensors dtype for numpy {arr.dtype}")
 
 
 @dataclass(frozen=True)
@@ -163,3 +178,51 @@ class FileHandles:
             except OSError:
                 pass
         self._fds.clear()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a file to be written: its name, safetensors dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype][1]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def write_file(path: Path, specs: list[TensorSpec], arrays: Iterable[np.ndarray],
+               metadata: dict[str, str] | None = None) -> int:
+    """Write `arrays` (one per spec, in spec order, produced lazily) as one safetensors file.
+
+    Returns the number of data bytes. An array whose byte count does not match
+    its spec is refused with a ValueError before it is written.
+    """
+    header, offset = {}, 0
+    for spec in specs:
+        if spec.dtype not in DTYPES:
+            raise ValueError(f"tensor {spec.name}: unsupported dtype {spec.dtype}")
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % HEADER_ALIGN)
+    written = 0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for spec, arr in zip(specs, arrays):
+            data = np.ascontiguousarray(arr)
+            if data.nbytes != spec.nbytes:
+                raise ValueError(f"tensor {spec.name}: {data.nbytes} bytes for {spec.dtype} {list(spec.shape)}")
+            f.write(data.tobytes())
+            written += 1
+    if written != len(specs):
+        raise ValueError(f"{path}: {written} of {len(specs)} tensors were given")
+    return offset

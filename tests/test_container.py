@@ -13,6 +13,7 @@ import pytest
 
 from tierlab.app.cli.main import main as cli_main
 from tierlab.engine import quant as Q
+from tierlab.engine.blob_layout import BlobLayout
 from tierlab.engine.container import (
     CONTAINER_JSON, DENSE_FILE, EXPERTS_BIN, ContainerExpertSource, convert, read_container_info,
 )
@@ -89,7 +90,8 @@ def _write_fused_vl(folder: Path):
     folder.mkdir(parents=True)
     cfg = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
            "text_config": {"model_type": "qwen3_5_moe_text", "num_hidden_layers": LAYERS, "num_experts": EXPERTS,
-                           "hidden_size": HIDDEN, "moe_intermediate_size": INTER, "num_experts_per_tok": 2}}
+                           "hidden_size": HIDDEN, "moe_intermediate_size": INTER, "num_experts_per_tok": 2,
+                           "vocab_size": 256, "num_attention_heads": 2}}
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "tokenizer.json").write_text("{}")
     experts, dense, shards, weight_map = {}, {}, [{}, {}], {}
@@ -172,7 +174,7 @@ def test_metadata_and_alignment(containers):
     assert (info.n_layers, info.n_experts, info.hidden, info.inter, info.bits, info.group) == (LAYERS, EXPERTS, HIDDEN, INTER, 4, 64)
     assert info.blob_stride % 4096 == 0 and all(o % 4096 == 0 for o in info.layer_offsets)
     raw = json.loads((containers["fused_vl", 4] / CONTAINER_JSON).read_text())
-    assert raw["format"] == "tierlab-experts" and raw["version"] == 1 and raw["blob_nbytes"] == Q.BlobLayout(4, HIDDEN, INTER).nbytes
+    assert raw["format"] == "tierlab-experts" and raw["version"] == 1 and raw["blob_nbytes"] == BlobLayout("int4", HIDDEN, INTER).nbytes
 
 
 def test_refuses_to_overwrite_without_force(checkpoints, tmp_path, capsys):
@@ -223,8 +225,9 @@ def test_bad_metadata_is_a_one_line_error(containers, tmp_path):
 def test_dims_not_multiple_of_64_are_refused(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "num_local_experts": 2,
-                                                     "hidden_size": 96, "moe_intermediate_size": 64}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 1, "num_local_experts": 2,
+                                                     "hidden_size": 96, "moe_intermediate_size": 64, "num_experts_per_tok": 1,
+                                                     "vocab_size": 256, "num_attention_heads": 2}))
     with pytest.raises(ModelError, match="multiples of 64") as exc:
         convert(folder, tmp_path / "out")
     assert "\n" not in str(exc.value)
@@ -258,6 +261,38 @@ def test_synthetic_config_has_the_real_per_layer_shapes(arch):
     else:
         assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.moe_intermediate_size) == (32, 4, 128, 768)
         assert cfg.norm_topk_prob is True
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+def test_synthetic_config_reads_back_through_the_engine_parser(arch):
+    from tierlab.app.cmd_make_synthetic import synthetic_config
+    from tierlab.engine.config import parse_config
+
+    cfg = synthetic_config(arch, layers=5, experts=16, top_k=8, vocab=4096)
+    parsed = parse_config(cfg.to_dict(), Path("config.json"))
+    assert parsed.arch == arch
+    assert (parsed.hidden_size, parsed.n_layers, parsed.n_experts, parsed.top_k, parsed.vocab_size) == (2048, 5, 16, 8, 4096)
+    assert (parsed.n_heads, parsed.n_kv_heads, parsed.head_dim, parsed.moe_inter) == (
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.moe_intermediate_size)
+    assert parsed.layer_types == list(getattr(cfg, "layer_types", None) or ["full_attention"] * 5)
+    assert parsed.rope_theta == cfg.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+def test_synthetic_weights_are_what_save_pretrained_writes(checkpoints, tmp_path, arch):
+    """make-synthetic streams the state dict itself: same names, dtypes and bytes as save_pretrained."""
+    from tierlab.app.cmd_make_synthetic import write_weights
+
+    dtype = "bfloat16" if arch == "qwen3_moe" else "float32"
+    write_weights(_hf_model(arch, dtype).state_dict(), tmp_path / "model.safetensors")
+    from tierlab.engine.safetensors_file import read_header
+
+    ours, theirs = _saved_tensors(tmp_path), _saved_tensors(checkpoints[arch][0])
+    kinds = [{k: (i.dtype, i.shape) for k, i in read_header(next(folder.glob("*.safetensors"))).items()}
+             for folder in (tmp_path, checkpoints[arch][0])]
+    assert kinds[0] == kinds[1]
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
 
 
 def test_synthetic_tokenizer_round_trips_bytes(tmp_path):

@@ -193,9 +193,11 @@ def test_cli_show_prints_layers_and_checks_the_model(tmp_path):
     assert "0(60.0%) 1(20.0%)" in result.stdout
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text('{"text_config": {"num_hidden_layers": 2, "num_experts": 4}}')
+    sizes = '"hidden_size": 64, "num_attention_heads": 4, "num_experts_per_tok": 2, "vocab_size": 256, "moe_intermediate_size": 32'
+    (model / "config.json").write_text('{"text_config": {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 2, "num_experts": 4, '
+                                       + sizes + '}}')
     assert tierlab("heat", "show", str(path), "--model", str(model), cwd=tmp_path).returncode == 0
-    (model / "config.json").write_text('{"num_hidden_layers": 3, "num_local_experts": 4}')
+    (model / "config.json").write_text('{"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_local_experts": 4, ' + sizes + '}')
     result = tierlab("heat", "show", str(path), "--model", str(model), cwd=tmp_path)
     assert result.returncode == 2 and "model has 3 x 4" in result.stderr
     result = tierlab("heat", "show", str(path), "--model", str(tmp_path / "nomodel"), cwd=tmp_path)

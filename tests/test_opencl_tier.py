@@ -12,7 +12,7 @@ import pytest
 
 cl = pytest.importorskip("pyopencl")
 
-from tierlab.engine.tiers.blob_layout import KINDS, blob_nbytes  # noqa: E402
+from tierlab.engine.blob_layout import KINDS, blob_nbytes  # noqa: E402
 from tierlab.engine.tiers.opencl_tier import OpenCLTier, TierFailure  # noqa: E402
 
 SMALL = (128, 64)

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tierlab.engine import blob_layout as L
 from tierlab.engine import quant as Q
 from tierlab.engine.kernels import qmatvec as K
 
@@ -67,16 +68,16 @@ def test_zero_group_gets_zero_scale(bits):
 
 def test_dims_must_be_multiples_of_64():
     with pytest.raises(ValueError, match="multiples of 64"):
-        Q.check_dims(2048, 500)
+        L.check_dims(2048, 500)
     with pytest.raises(ValueError, match="multiple of 64"):
         Q.quantize(np.ones((2, 100)), 4)
 
 
 def test_blob_layout_sizes():
-    lay = Q.BlobLayout(4, 2048, 512)
-    assert lay.qbytes == 2048 * 512 // 2 and lay.sbytes == 2048 * 512 // 64 * 4
-    assert lay.nbytes == 3 * (lay.qbytes + lay.sbytes) and lay.stride % 4096 == 0 and lay.stride >= lay.nbytes
-    assert Q.BlobLayout(8, 2048, 512).nbytes == 3 * 2048 * 512 * (1 + 4 / 64)
+    lay = L.BlobLayout("int4", 2048, 512)
+    assert lay.weight_bytes == 2048 * 512 // 2 and lay.scale_bytes == 2048 * 512 // 64 * 4
+    assert lay.nbytes == 3 * (lay.weight_bytes + lay.scale_bytes) and lay.stride % 4096 == 0 and lay.stride >= lay.nbytes
+    assert L.BlobLayout("int8", 2048, 512).nbytes == 3 * 2048 * 512 * (1 + 4 / 64)
 
 
 # --- matvec kernels -------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def _expert(rng, hidden, inter):
 def test_fused_quantised_expert_matches_float64(rng, hidden, inter, bits):
     gate, up, down = _expert(rng, hidden, inter)
     blob = Q.build_blob(gate, up, down, bits)
-    assert blob.nbytes == Q.BlobLayout(bits, hidden, inter).nbytes
+    assert blob.nbytes == L.BlobLayout(f"int{bits}", hidden, inter).nbytes
     x = rng.standard_normal(hidden).astype(np.float32)
     y0 = rng.standard_normal(hidden).astype(np.float32)
     y = y0.copy()
@@ -190,7 +191,7 @@ def test_fused_raw_expert_matches_float64(rng, kind, hidden, inter):
     else:
         typed = [m.astype(ml_dtypes.bfloat16) for m in mats]
         blob = np.concatenate([m.ravel().view(np.uint16) for m in typed]).view(np.uint8)
-    assert blob.nbytes == K.raw_blob_nbytes(kind, hidden, inter)
+    assert blob.nbytes == L.blob_nbytes(kind, hidden, inter)
     x = rng.standard_normal(hidden).astype(np.float32)
     y = np.zeros(hidden, dtype=np.float32)
     K.EXPERT_FORWARD[kind](blob, hidden, inter, x, y, 1.0)
@@ -201,7 +202,7 @@ def test_fused_expert_reads_a_blob_inside_a_larger_slot(rng):
     """RAM slots may be stride-sized: bytes past blob_nbytes must not matter."""
     hidden, inter = 128, 64
     blob = Q.build_blob(*_expert(rng, hidden, inter), 4)
-    slot = rng.integers(0, 256, size=Q.BlobLayout(4, hidden, inter).stride + 4096, dtype=np.uint8)
+    slot = rng.integers(0, 256, size=L.BlobLayout("int4", hidden, inter).stride + 4096, dtype=np.uint8)
     slot[: blob.nbytes] = blob
     x = rng.standard_normal(hidden).astype(np.float32)
     y1, y2 = np.zeros(hidden, np.float32), np.zeros(hidden, np.float32)

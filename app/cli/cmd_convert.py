@@ -28,9 +28,11 @@ def add_parser(subparsers) -> None:
 class TextProgressBar:
     """A one-line progress bar on stderr, redrawn in place; plain lines when not a terminal."""
 
-    def __init__(self, stream=sys.stderr, width: int = 30) -> None:
-        self.stream, self.width, self.start = stream, width, time.monotonic()
-        self.tty = stream.isatty()
+    def __init__(self, stream=None, width: int = 30) -> None:
+        # sys.stderr is looked up per bar, not once at import: it may be replaced (tests, redirection)
+        self.stream = stream if stream is not None else sys.stderr
+        self.width, self.start = width, time.monotonic()
+        self.tty = self.stream.isatty()
 
     def __call__(self, done: int, total: int, what: str) -> None:
         frac = done / max(1, total)

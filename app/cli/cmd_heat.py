@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
 
-from tierlab.engine.errors import ModelError
+from tierlab.engine.config import load_config
 from tierlab.engine.heat import HeatProfile, diff
 
 
@@ -40,31 +38,17 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.heat_command == "show":
-        dims = model_dims(args.model) if args.model else (None, None)
-        heat = HeatProfile.read(args.file, *dims)
+        layers = experts = None
+        if args.model:
+            cfg = load_config(args.model)
+            layers, experts = cfg.n_layers, cfg.n_experts
+        heat = HeatProfile.read(args.file, layers, experts)
         print_show(heat, args.file, args.top)
     else:
         a = HeatProfile.read(args.a)
         b = HeatProfile.read(args.b, a.n_layers, a.n_experts)
         print_diff(a, b, args.top)
     return 0
-
-
-def model_dims(model_dir: str) -> tuple[int, int]:
-    """(num_hidden_layers, num_experts) from config.json, flat or under text_config."""
-    path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelError("no config.json", model_dir) from None
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"unreadable config.json ({exc.__class__.__name__})", path) from None
-    for scope in (config.get("text_config") or {}, config):
-        layers = scope.get("num_hidden_layers")
-        experts = scope.get("num_experts", scope.get("num_local_experts"))
-        if isinstance(layers, int) and isinstance(experts, int):
-            return layers, experts
-    raise ModelError("config.json has no num_hidden_layers with num_experts/num_local_experts", path)
 
 
 def print_show(heat: HeatProfile, name: str, top: int) -> None:

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from tierlab.engine.errors import ModelError
 
-_ELEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
-
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -25,17 +23,18 @@ def _mib(n: int) -> str:
 
 
 def container_summary(folder: Path) -> list[tuple[str, str]]:
-    from tierlab.engine.container import DENSE_FILE, EXPERTS_BIN, read_container_info, read_moe_dims
+    from tierlab.engine.config import load_config
+    from tierlab.engine.container import DENSE_FILE, EXPERTS_BIN, read_container_info
 
     info = read_container_info(folder)
-    dims = read_moe_dims(folder)
+    cfg = load_config(folder)
     experts_file = folder / EXPERTS_BIN
     dense = folder / DENSE_FILE
     return [
         ("kind", "tierlab quantised container"),
-        ("architecture", dims.architecture),
+        ("architecture", cfg.model_type),
         ("layers", str(info.n_layers)),
-        ("experts", f"{info.n_experts} per layer, top-{dims.top_k}"),
+        ("experts", f"{info.n_experts} per layer, top-{cfg.top_k}"),
         ("hidden", str(info.hidden)),
         ("inter", str(info.inter)),
         ("dtype", f"int{info.bits}, symmetric, group {info.group}, float32 scales"),
@@ -51,41 +50,31 @@ def container_summary(folder: Path) -> list[tuple[str, str]]:
 
 
 def checkpoint_summary(folder: Path) -> list[tuple[str, str]]:
-    from tierlab.engine.container import Checkpoint, find_layer_prefix, is_ignored, read_moe_dims, _EXPERT_RE
+    from tierlab.engine.checkpoint import EXPERT_TENSOR, Checkpoint
+    from tierlab.engine.config import load_config
 
-    dims = read_moe_dims(folder)
-    ckpt = Checkpoint(folder)
-    names = ckpt.names()
-    prefix = find_layer_prefix(names)
+    cfg = load_config(folder)
+    ckpt = Checkpoint(folder, cfg)
     expert_bytes, dense_bytes, expert_dtypes = 0, 0, set()
-    fused = False
-    for name in names:
-        if is_ignored(name):
-            continue
-        dtype, shape = ckpt.dtype_shape(name)
-        n = _ELEM_BYTES.get(dtype, 1)
-        for s in shape:
-            n *= s
-        if _EXPERT_RE.match(name):
-            expert_bytes += n
-            expert_dtypes.add(dtype)
-            fused = fused or name.split(".experts.")[1].startswith("gate_up_proj")
+    for name, info in ckpt.tensors.items():
+        if EXPERT_TENSOR.match(name):
+            expert_bytes += info.nbytes
+            expert_dtypes.add(info.dtype)
         else:
-            dense_bytes += n
-    ckpt.close()
-    per_expert = expert_bytes // max(1, dims.n_layers * dims.n_experts)
+            dense_bytes += info.nbytes
+    per_expert = expert_bytes // max(1, cfg.n_layers * cfg.n_experts)
     return [
         ("kind", "Hugging Face checkpoint"),
-        ("architecture", dims.architecture),
-        ("layers", str(dims.n_layers)),
-        ("experts", f"{dims.n_experts} per layer, top-{dims.top_k}, {'fused' if fused else 'per-expert'} layout"),
-        ("hidden", str(dims.hidden)),
-        ("inter", str(dims.inter)),
+        ("architecture", cfg.model_type),
+        ("layers", str(cfg.n_layers)),
+        ("experts", f"{cfg.n_experts} per layer, top-{cfg.top_k}, {'fused' if ckpt.fused_experts else 'per-expert'} layout"),
+        ("hidden", str(cfg.hidden_size)),
+        ("inter", str(cfg.moe_inter)),
         ("dtype", "/".join(sorted(expert_dtypes)) or "?"),
         ("bytes per expert", f"{per_expert:,} ({_mib(per_expert)})"),
         ("total expert bytes", f"{expert_bytes:,} ({_mib(expert_bytes)})"),
         ("dense bytes", f"{dense_bytes:,} ({_mib(dense_bytes)})"),
-        ("prefix", prefix),
+        ("prefix", ckpt.prefix),
     ]
 
 

@@ -4,9 +4,12 @@ Why: the real checkpoints are 60-70 GB. A checkpoint with the exact per-layer
 shapes of Qwen3.6-35B-A3B or Qwen3-30B-A3B, but few layers and experts and a
 small vocabulary, exercises the converter, the kernels and the expert cache
 at true expert sizes in seconds. It is built with transformers' own classes
-and `save_pretrained`, so transformers loads it back (tensor names and config
-are the real ones). A minimal byte-level tokenizer.json and a ChatML template
-are written so the engine's text path works too (the text is meaningless).
+and written under the names `save_pretrained` gives (experts one by one), so
+transformers loads it back; the weights go through tierlab's streaming
+safetensors writer, and the written folder is read back with tierlab's own
+config parser and checkpoint reader. A minimal byte-level tokenizer.json and
+a ChatML template are written so the engine's text path works too (the text
+is meaningless).
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from tierlab.engine.config import QWEN3_5_MOE, QWEN3_MOE, load_config
 from tierlab.engine.errors import ModelError
 
-ARCHS = ("qwen3_5_moe", "qwen3_moe")
+#: the architecture presets make-synthetic writes
+ARCHS = (QWEN3_5_MOE, QWEN3_MOE)
+WEIGHTS_FILE = "model.safetensors"
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -45,7 +54,7 @@ def add_parser(subparsers) -> None:
 def synthetic_config(arch: str, layers: int, experts: int, top_k: int, vocab: int):
     """A transformers config with the real model's per-layer sizes."""
     special = {"bos_token_id": None, "eos_token_id": 258, "pad_token_id": 256}
-    if arch == "qwen3_5_moe":
+    if arch == QWEN3_5_MOE:
         from transformers import Qwen3_5MoeTextConfig
 
         return Qwen3_5MoeTextConfig(
@@ -73,12 +82,12 @@ def synthetic_config(arch: str, layers: int, experts: int, top_k: int, vocab: in
 
 
 def build_checkpoint(arch: str, layers: int, experts: int, top_k: int, vocab: int, seed: int, out: Path) -> Path:
-    """Instantiate the model in bf16 (half the memory of fp32) and save_pretrained it."""
+    """Instantiate the model in bf16 (half the memory of fp32) and write its config and weights."""
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM
 
     config = synthetic_config(arch, layers, experts, top_k, vocab)
-    cls = Qwen3_5MoeForCausalLM if arch == "qwen3_5_moe" else Qwen3MoeForCausalLM
+    cls = Qwen3_5MoeForCausalLM if arch == QWEN3_5_MOE else Qwen3MoeForCausalLM
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -91,9 +100,49 @@ def build_checkpoint(arch: str, layers: int, experts: int, top_k: int, vocab: in
             if "mlp.gate.weight" in name:  # a router with preferences, not uniform noise
                 p.normal_(0.0, 0.5)
     model.config.dtype = "bfloat16"
-    model.save_pretrained(out, safe_serialization=True)
+    model.config.architectures = [cls.__name__]
+    model.config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    write_weights(model.state_dict(), out / WEIGHTS_FILE)
     del model
     return out
+
+
+def write_weights(state_dict: dict, path: Path) -> int:
+    """Stream a transformers state dict into one safetensors file, experts one by one.
+
+    transformers keeps each layer's experts fused (`gate_up_proj` [E, 2I, H],
+    gate rows first, and `down_proj` [E, H, I]); they are written per expert
+    (`experts.{e}.gate_proj.weight` ...), the names `save_pretrained` writes.
+    """
+    from tierlab.engine.safetensors_file import TensorSpec, dtype_name, write_file
+
+    parts = []  # (name, tensor) in file order; expert slices are views, converted one at a time
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        if name.endswith(FUSED_EXPERTS[0]):
+            base, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                parts += [(f"{base}{e}.gate_proj.weight", t[e, :inter]), (f"{base}{e}.up_proj.weight", t[e, inter:])]
+        elif name.endswith(FUSED_EXPERTS[1]):
+            base = name[: -len("down_proj")]
+            parts += [(f"{base}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+        else:
+            parts.append((name, t))
+    parts.sort(key=lambda part: part[0])
+    specs = [TensorSpec(name, dtype_name(_storage(t.new_empty(0))), tuple(t.shape)) for name, t in parts]
+    return write_file(path, specs, (_storage(t) for _, t in parts), {"format": "pt"})
+
+
+def _storage(t) -> np.ndarray:
+    """A torch tensor as a numpy array in safetensors storage form (bf16 as its uint16 bits)."""
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def write_tokenizer(out: Path, vocab: int) -> None:
@@ -119,6 +168,13 @@ def write_tokenizer(out: Path, vocab: int) -> None:
     (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
 
 
+def read_back(out: Path) -> None:
+    """Read the written folder with the engine's config parser and checkpoint reader (ModelError if not)."""
+    from tierlab.engine.checkpoint import Checkpoint
+
+    Checkpoint(out, load_config(out)).expert_pieces(0)
+
+
 def _byte_of(ch: str) -> int:
     """Inverse of GPT-2's byte-to-unicode map (printable bytes map to themselves)."""
     code = ord(ch)
@@ -142,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"building {args.arch}: {args.layers} layers x {args.experts} experts, vocab {args.vocab} ...", file=sys.stderr)
     build_checkpoint(args.arch, args.layers, args.experts, args.top_k, args.vocab, args.seed, out)
     write_tokenizer(out, args.vocab)
+    read_back(out)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {out} ({size / 2**20:.0f} MiB of safetensors)")
     return 0

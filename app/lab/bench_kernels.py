@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierlab.engine import hugepages
+from tierlab.engine.blob_layout import GROUP, BlobLayout, blob_nbytes
 from tierlab.engine.kernels import qmatvec as K
-from tierlab.engine.quant import GROUP
 
 SHAPES = ((512, 2048), (2048, 512))
 KINDS = ("fp32", "bf16", "int8", "int4")
@@ -148,9 +148,7 @@ def _copies_for(nbytes_one: int, working_set: int) -> int:
 
 
 def _fused_blob(kind: str, hidden: int, inter: int, rng: np.random.Generator) -> np.ndarray:
-    from tierlab.engine.container import blob_nbytes_for
-
-    n = blob_nbytes_for(kind, hidden, inter)
+    n = blob_nbytes(kind, hidden, inter)
     blob = rng.integers(0, 256, size=n, dtype=np.uint8)
     if kind in ("int8", "int4"):
         # sane scales so the SiLU sees finite numbers
@@ -173,9 +171,8 @@ def measure_expert_reads(n_blobs: int, calls: int, hidden: int = 2048, inter: in
     from pathlib import Path
 
     from tierlab.engine.container import CONTAINER_JSON, EXPERTS_BIN, ContainerExpertSource, ContainerInfo
-    from tierlab.engine.quant import BlobLayout
 
-    layout = BlobLayout(4, hidden, inter)
+    layout = BlobLayout("int4", hidden, inter)
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory(prefix="tierlab-bench-") as tmp:
         folder = Path(tmp)

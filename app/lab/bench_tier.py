@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from tierlab.engine.tiers.blob_layout import KINDS, BlobLayout
+from tierlab.engine.blob_layout import KINDS, BlobLayout
 from tierlab.engine.tiers.opencl_tier import OpenCLTier
 
 

@@ -61,8 +61,8 @@ def linear(w, x: np.ndarray) -> np.ndarray:
 
 
 @njit(nogil=True, fastmath=False, cache=True)
-def rms_norm(x, w, eps, zero_centred, out):
-    """Row-wise RMSNorm of x [T, D]; zero-centred (Qwen3.5) scales by 1 + w."""
+def rms_norm(x, w, eps, out):
+    """Row-wise RMSNorm of x [T, D], scaled by w (a zero-centred norm's w arrives as 1 + w)."""
     t_count, d = x.shape
     for t in range(t_count):
         ss = 0.0
@@ -70,14 +70,13 @@ def rms_norm(x, w, eps, zero_centred, out):
             ss += np.float64(x[t, i]) * x[t, i]
         inv = np.float32(1.0 / math.sqrt(ss / d + eps))
         for i in range(d):
-            scale = np.float32(1.0) + w[i] if zero_centred else w[i]
-            out[t, i] = (x[t, i] * inv) * scale
+            out[t, i] = (x[t, i] * inv) * w[i]
 
 
-def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, zero_centred: bool) -> np.ndarray:
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x2 = x.reshape(-1, x.shape[-1])
     out = np.empty_like(x2)
-    rms_norm(x2, w, eps, zero_centred, out)
+    rms_norm(x2, w, eps, out)
     return out.reshape(x.shape)
 
 

@@ -21,7 +21,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from tierlab.engine.kernels.qmatvec import GROUP, _bf16_f32, _wide_vectors
+from tierlab.engine.blob_layout import GROUP
+from tierlab.engine.kernels.qmatvec import bf16_f32, wide_vectors
 
 _F32 = ir.FloatType()
 
@@ -66,7 +67,7 @@ _OPTS = dict(nogil=True, cache=True, fastmath=True)
 
 @njit(**_OPTS)
 def _dot_rows(w, x, t):
-    _wide_vectors()
+    wide_vectors()
     acc = np.float32(0.0)
     for c in range(w.shape[0]):
         acc += w[c] * x[t, c]
@@ -76,7 +77,7 @@ def _dot_rows(w, x, t):
 @njit(**_OPTS)
 def _dot4(rows4, x, t):
     """Four rows (rows4 [4, cols]) dotted with x[t] in one pass: each load of x feeds four FMAs."""
-    _wide_vectors()
+    wide_vectors()
     a0 = np.float32(0.0)
     a1 = np.float32(0.0)
     a2 = np.float32(0.0)
@@ -108,14 +109,14 @@ def _store_rows(rows_f32, r0, n, x, out):
 
 @njit(**_OPTS)
 def _widen_bf16(w, r, row):
-    _wide_vectors()
+    wide_vectors()
     for c in range(row.shape[0]):
-        row[c] = _bf16_f32(w[r, c])
+        row[c] = bf16_f32(w[r, c])
 
 
 @njit(**_OPTS)
 def _widen_int8(q, s, r, row):
-    _wide_vectors()
+    wide_vectors()
     for g in range(s.shape[1]):
         scale = s[r, g]
         for j in range(GROUP):
@@ -124,7 +125,7 @@ def _widen_int8(q, s, r, row):
 
 @njit(**_OPTS)
 def _widen_int4(q, s, r, row):
-    _wide_vectors()
+    wide_vectors()
     half = GROUP // 2
     for g in range(s.shape[1]):
         scale = s[r, g]

@@ -42,7 +42,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-GROUP = 64
+from tierlab.engine.blob_layout import GROUP, blob_nbytes
 
 _SERIAL = dict(nogil=True, cache=True, fastmath=True)
 _PARALLEL = dict(nogil=True, cache=True, fastmath=True, parallel=True)
@@ -54,7 +54,7 @@ _F32 = ir.FloatType()
 
 
 @intrinsic
-def _bf16_f32(typingctx, b):
+def bf16_f32(typingctx, b):
     """Exact bf16 (as uint16) -> float32: the bf16 bits are the high half of the float."""
 
     def codegen(context, builder, signature, args):
@@ -75,7 +75,7 @@ def _f32_from_bits(typingctx, b):
 
 
 @intrinsic
-def _wide_vectors(typingctx):
+def wide_vectors(typingctx):
     """Let LLVM use 512-bit registers in the calling function.
 
     LLVM's default tuning for recent Intel cores prefers 256-bit vectors; for
@@ -465,7 +465,7 @@ def _as_f32(v):
 def _as_f32_impl(v):
     if v == types.float32:
         return lambda v: v
-    return lambda v: _bf16_f32(v)
+    return lambda v: bf16_f32(v)
 
 
 def _columns_left(a, b, r0, r1, r2, r3, x, v0, v1, v2, v3):
@@ -522,7 +522,7 @@ def _prepare_into(x, bits, digits, unit, corr):
     and `corr` the 16 lanes' integer offsets. Float path: `unit` = 8 * group sums (int4).
     Written as plain loops over contiguous runs so that LLVM vectorises them (~1 us for 2048).
     """
-    _wide_vectors()
+    wide_vectors()
     n_groups = x.shape[0] // GROUP
     if bits == 0:
         return
@@ -668,7 +668,7 @@ def _first_left_over(mode, rows):
 @njit(**_PARALLEL)
 def _pass(qa, sa, qb, sb, x, out, mode, w):
     """Weights of any kind (see _rows_dot; fp32 and bf16 pass their weights as scales)."""
-    _wide_vectors()
+    wide_vectors()
     wf = np.float32(w)
     digits, unit, corr = _prepare_x(x, _bits_of(qa))
     ahead = _ahead_bytes(qa, mode)
@@ -702,7 +702,7 @@ def _pass(qa, sa, qb, sb, x, out, mode, w):
 @njit(**_PARALLEL)
 def _tokens(qa, sa, qb, sb, x, out, mode):
     """Weights of any kind, as _pass."""
-    _wide_vectors()
+    wide_vectors()
     one = np.float32(1.0)
     bits = _bits_of(qa)
     n_digits, n_unit, n_corr = _prepared_sizes(x.shape[1], bits)
@@ -814,11 +814,11 @@ def _expert_parts(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.nd
     after checking the blob's size and x, y (one token's rows); fp32/bf16 weights stand in
     for their own scales."""
     if kind in ("fp32", "bf16"):
-        _check_expert(blob, raw_blob_nbytes(kind, hidden, inter), hidden, x, y)
+        _check_expert(blob, blob_nbytes(kind, hidden, inter), hidden, x, y)
         gate, up, down = raw_matrices(blob, kind, hidden, inter)
         return gate, gate, up, up, down, down
     bits = 8 if kind == "int8" else 4
-    _check_expert(blob, quant_blob_nbytes(bits, hidden, inter), hidden, x, y)
+    _check_expert(blob, blob_nbytes(kind, hidden, inter), hidden, x, y)
     return quant_matrices(blob, bits, hidden, inter)
 
 
@@ -876,13 +876,3 @@ EXPERT_FORWARD = {
     "int4": expert_forward_int4,
 }
 
-
-def raw_blob_nbytes(kind: str, hidden: int, inter: int) -> int:
-    """Bytes of one raw fp32/bf16 expert blob [gate | up | down]."""
-    return 3 * hidden * inter * {"fp32": 4, "bf16": 2}[kind]
-
-
-def quant_blob_nbytes(bits: int, hidden: int, inter: int) -> int:
-    """Bytes of one int8/int4 container blob (see engine/quant.BlobLayout)."""
-    n = hidden * inter
-    return 3 * (n * bits // 8 + n // GROUP * 4)

@@ -74,9 +74,8 @@ class Attention:
             gate = None
         k = np.ascontiguousarray(k).reshape(T, nkv, d)
         v = np.ascontiguousarray(v).reshape(T, nkv, d)
-        zc = cfg.zero_centred_norm
-        q = rmsnorm(q, self.q_norm, cfg.rms_eps, zc)
-        k = rmsnorm(k, self.k_norm, cfg.rms_eps, zc)
+        q = rmsnorm(q, self.q_norm, cfg.rms_eps)
+        k = rmsnorm(k, self.k_norm, cfg.rms_eps)
         positions = np.arange(start, start + T, dtype=np.int64)
         rope_inplace(q, positions, self.inv_freq, cfg.rotary_dim)
         rope_inplace(k, positions, self.inv_freq, cfg.rotary_dim)

@@ -16,14 +16,13 @@ Accumulation is float32 throughout.
 
 from __future__ import annotations
 
-from tierlab.engine.tiers.blob_layout import BlobLayout
+from tierlab.engine.blob_layout import GROUP, BlobLayout
 
 KIND_CODES = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 
 BUILD_FLAGS = ("-cl-fast-relaxed-math",)
 
 SOURCE = r"""
-#define GROUP 64
 typedef __global const uchar* blob_t;
 
 #if KIND == 0
@@ -244,6 +243,7 @@ def build_options(layout: BlobLayout, work_group: int) -> list[str]:
         "KIND": KIND_CODES[layout.kind],
         "HID": layout.hidden,
         "INTER": layout.inter,
+        "GROUP": GROUP,
         "WG": work_group,
         "GATE_W": f"{layout.weight_offset(0)}UL",
         "UP_W": f"{layout.weight_offset(1)}UL",

@@ -1,7 +1,7 @@
 """The GPU expert tier (residency level 2) on PyOpenCL.
 
 Expert blobs are uploaded as they are (fp32, bf16, int8 or int4; see
-blob_layout) into one or more big pool buffers, one fixed-size slot each, and
+tierlab.engine.blob_layout) into one or more big pool buffers, one fixed-size slot each, and
 the whole SwiGLU expert runs on the device while the engine's CPU threads
 compute the experts that are not resident.
 
@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from tierlab.engine.errors import TierlabError
-from tierlab.engine.tiers.blob_layout import BlobLayout
+from tierlab.engine.blob_layout import BlobLayout
 from tierlab.engine.tiers.opencl_device import GiB, NoDevice, parse_budget, pick_device, resolve_budget
 from tierlab.engine.tiers.opencl_kernels import SOURCE, build_options
 
