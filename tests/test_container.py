@@ -265,7 +265,7 @@ def test_synthetic_config_has_the_real_per_layer_shapes(arch):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
 def test_synthetic_config_reads_back_through_the_engine_parser(arch):
-    from tierlab.app.cmd_make_synthetic import synthetic_config
+    from tierlab.app.cli.cmd_make_synthetic import synthetic_config
     from tierlab.engine.config import parse_config
 
     cfg = synthetic_config(arch, layers=5, experts=16, top_k=8, vocab=4096)
@@ -281,7 +281,7 @@ def test_synthetic_config_reads_back_through_the_engine_parser(arch):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
 def test_synthetic_weights_are_what_save_pretrained_writes(checkpoints, tmp_path, arch):
     """make-synthetic streams the state dict itself: same names, dtypes and bytes as save_pretrained."""
-    from tierlab.app.cmd_make_synthetic import write_weights
+    from tierlab.app.cli.cmd_make_synthetic import write_weights
 
     dtype = "bfloat16" if arch == "qwen3_moe" else "float32"
     write_weights(_hf_model(arch, dtype).state_dict(), tmp_path / "model.safetensors")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,8 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def unpacked_wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # a copy of the source, so the build's own folders (build/, *.egg-info) never land in the checkout
+    source = out / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                                 ".hypothesis", "tierlab-sessions"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(REPO)], check=True, capture_output=True, timeout=300)
+                    str(source)], check=True, capture_output=True, timeout=300)
     (wheel,) = out.glob("tierlab-*.whl")
     site = out / "site"
     with zipfile.ZipFile(wheel) as z:
