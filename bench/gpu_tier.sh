@@ -54,7 +54,7 @@ echo "== engine A/B: tier off vs on, on a synthetic real-shape Qwen3.6 slice"
 # shapes, int4 container; the RAM cache holds a quarter of the experts and the
 # tier budget about a quarter, so residency matters. The
 # heat profile is written by a first lever-off run and then made read-only,
-# as in the seed's protocol, so every tier row plans from the same bytes.
+# so every tier row plans from the same bytes.
 WORK=${WORK:-/tmp/tierlab-gpu}
 mkdir -p "$WORK"
 if [ ! -d "$WORK/slice4" ]; then

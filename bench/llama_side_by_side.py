@@ -36,9 +36,10 @@ dummy BPE merge is added, `--no-mtp`). Nothing of llama.cpp is copied here or
 edited on disk.
 
 llama.cpp runs with OMP_WAIT_POLICY=PASSIVE (as tierlab's own OpenMP layer):
-libgomp's spinning workers made it ~20x slower on the busy 2-vCPU machine.
-A file whose run dies with SIGILL (the native build's AMX path, seen on
-2-D Q8_0/Q4_0 matrices) is rerun with use_extra_bufts=false.
+libgomp's spinning workers lose whole time slices on a busy machine
+(docs/benchmarks.md, "Side by side with llama.cpp"). A file whose run dies
+with SIGILL (the native build's AMX path, on 2-D Q8_0/Q4_0 matrices) is
+rerun with use_extra_bufts=false.
 
 Internal subcommands (run in a fresh process each): `_gguf` converts,
 `_llama` runs one llama.cpp decode measurement and prints one JSON line.
@@ -281,8 +282,8 @@ def tierlab_run(a, model: Path, cache: int | None, cold: bool, prompt_tokens: in
 
 def llama_run(a, gguf_path: Path, cold: bool, vocab: int, prompt_tokens: int, prefix=()) -> dict:
     # OpenMP workers that spin (libgomp's default) lose whole time slices at every graph barrier on a
-    # busy 2-vCPU machine (measured: ~0.5 tok/s instead of ~12 here); tierlab sets PASSIVE for its own
-    # OpenMP layer, so llama.cpp gets the same.
+    # busy machine (docs/benchmarks.md, "Side by side with llama.cpp"); tierlab sets PASSIVE for its
+    # own OpenMP layer, so llama.cpp gets the same.
     env = ["env", f"OMP_WAIT_POLICY={a.llama_omp_wait}"] if a.llama_omp_wait else []
     cmd = list(prefix) + env + [sys.executable, str(HERE), "_llama", "--gguf", str(gguf_path), "--tokens", str(a.tokens),
                  "--prompt-tokens", str(prompt_tokens), "--threads", str(a.threads), "--vocab", str(vocab)]
@@ -292,7 +293,7 @@ def llama_run(a, gguf_path: Path, cold: bool, vocab: int, prompt_tokens: int, pr
     try:
         return run_json(cmd)
     except RuntimeError as exc:
-        # the native build's AMX path died with SIGILL here once in three runs: rerun without extra buffers
+        # the native build's AMX path can die with SIGILL: rerun without extra buffers
         if "--extra-bufts" in cmd or "(-4)" not in str(exc):
             raise
         log("llama.cpp died with SIGILL; rerunning with use_extra_bufts=0")
@@ -406,7 +407,8 @@ def main() -> None:
         "int4": ("int4 / Q4_0 experts", "int4", "Q4_0-experts", None, False),
         "int8-all": ("int8 + dense int8 / Q8_0 everything", "int8-d8", "Q8_0-all", None, False),
         "int4-all": ("int4 + dense int4 / Q4_0 everything", "int4-d4", "Q4_0-all", None, False),
-        # the container without --dense-bits against the all-quantised files (the earlier table)
+        # the container without --dense-bits against the all-quantised files (unequal bits: tierlab
+        # reads its dense weights in bf16)
         "int8-all-experts-only": ("int8 / Q8_0 everything", "int8", "Q8_0-all", None, False),
         "int4-all-experts-only": ("int4 / Q4_0 everything", "int4", "Q4_0-all", None, False),
         "stream-int4": (f"streaming int4 / Q4_0 experts, cache {a.stream_cache}/{a.experts}, cold",

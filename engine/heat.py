@@ -1,10 +1,11 @@
 """Heat profiles: how often each expert of each layer was routed.
 
 A run writes one; a later run reads it to decide which experts the GPU tier
-holds from the start (the seed's finding: a heat-planned warmstart took the
-VRAM hit rate from 32% to 91%, against 32% for index order).
+holds from the start: a heat-planned warmstart serves far more of the routed
+experts from the tier than index order does (docs/routing.md, "Measured: the
+GPU tier").
 
-File format (the seed engine's, little-endian uint32):
+File format (the heat-profile format, docs/tiers.md; little-endian uint32):
 ``[0x51544831, n_layers, n_experts]`` then ``n_layers * n_experts`` counts,
 layer-major (all experts of layer 0, then layer 1, ...).
 """

@@ -3,8 +3,8 @@
 Why: decode streams hundreds of MiB of weights per token through a few
 kernels; on 4 KiB pages every 4 KiB of a row is another TLB entry. The RAM
 cache's slots and the dense weights are allocated here, on anonymous
-memory advised MADV_HUGEPAGE (2 MiB pages where the kernel has them): the
-matvecs ran 4-7% faster on them in an interleaved A/B (docs/benchmarks.md).
+memory advised MADV_HUGEPAGE (2 MiB pages where the kernel has them), where
+the matvecs need far fewer TLB entries (figures: docs/benchmarks.md, Kernels).
 Small arrays, and systems without the advice, get a plain numpy array.
 """
 

@@ -1,6 +1,7 @@
 """The levers of tierlab in one object.
 
-Every lever has the seed engine's environment name and default. The engine
+Every lever is an environment variable with the name and default that
+docs/guide.md ("Knobs and their defaults") lists. The engine
 takes a snapshot at the start of each token, so a change made from another
 thread (the terminal app's sliders) applies at the next token and never in
 the middle of one. Changes are numbered and handed to listeners so that
@@ -40,7 +41,7 @@ SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("ROUTE_P", float, 0.0, 0.0, 1.0, help="0<P<1: window by cumulative probability mass instead of M"),
     KnobSpec("ROUTE_ALPHA", float, 1.0, 0.0, 1.0, help="0<alpha<1: scale a substitute's mass before renormalising"),
     KnobSpec("ROUTE_AGREE", str, "auto", choices=("auto", "0", "1"), help="agreement/KL meters; auto = on with CACHE_ROUTE"),
-    KnobSpec("ROUTE_MODE", str, "maxrank", choices=ROUTE_MODES, help="maxrank (seed), cumprob (P window) or prior (Cache-Prior)"),
+    KnobSpec("ROUTE_MODE", str, "maxrank", choices=ROUTE_MODES, help="maxrank (M window), cumprob (P window) or prior (Cache-Prior)"),
     KnobSpec("ROUTE_LAMBDA", float, 0.2, 0.0, 2.0, help="Cache-Prior logit bias, in units of the layer's logit range"),
     KnobSpec("PILOT", int, 0, 0, 3, help="prefetch experts 1..3 layers ahead into the RAM cache"),
     KnobSpec("WIDE", int, 1, 1, 8, help="PILOT takes at most K*WIDE experts per layer"),

@@ -203,7 +203,7 @@ def write_card(dst: Path, cfg, st: dict):
     tr = json.loads((dst / "training.json").read_text())
     r = st["routing"]
     size = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
-    wall, prev = 0.0, 0.0  # runs resumed by an older train_tiny restarted the clock: sum the segments
+    wall, prev = 0.0, 0.0  # a log's clock may restart at a resume (sec drops): sum the segments
     for rec in tr["log"]:
         wall += rec["sec"] - prev if rec["sec"] >= prev else rec["sec"]
         prev = rec["sec"]

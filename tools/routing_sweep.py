@@ -1,12 +1,12 @@
-"""Routing sweeps for docs/routing.md: the seed's tiny-fixture table and the three strategies.
+"""Routing sweeps for docs/routing.md: the tiny-fixture table, the three strategies, the GPU tier.
 
     python tools/routing_sweep.py fixture [--model assets/tiny-moe-8x2] [--cache 4]
     python tools/routing_sweep.py strategies [--model assets/tiny-moe] [--cache N] [--plot FILE]
     python tools/routing_sweep.py tier [--model assets/tiny-moe] [--tier-gb G]
 
-Both run `tierlab.app.lab.ab.run_ab` on a reference made from the model's
+Each runs `tierlab.app.lab.ab.run_ab` on a reference made from the model's
 held-out text (prompt = its first 32 tokens, continuation = the next N), and
-report the teacher-forced run: TF-NLL, hit rates and routing meters all come
+reports the teacher-forced run: TF-NLL, hit rates and routing meters all come
 from feeding real held-out text (a tiny model's greedy continuation loops,
 which would flatter every cache). "ids match" is still the greedy decode
 against the held-out text. Routing meters are deterministic; no timings are
@@ -90,7 +90,7 @@ def strategies(args) -> None:
 
 
 def tier(args) -> None:
-    """The seed's GPU-tier finding in shape: index-order vs heat-planned warmstart, then the lever."""
+    """The GPU tier's residency: index-order vs heat-planned warmstart, then the lever on top."""
     import tempfile
 
     from tierlab.engine.config import load_config
@@ -102,7 +102,8 @@ def tier(args) -> None:
     prompt, full = heldout_reference(args.model, 32, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         heat = Path(tmp) / "heat.bin"
-        # the profile of one lever-off run on the same text, then read-only (the seed's best case)
+        # the profile of one lever-off run on the same text, then read-only: every row plans from the
+        # same bytes, and a profile of the very text it is tested on is the best case for a heat plan
         engine = load_engine(args.model, cache_slots=cfg.n_experts, with_tokenizer=False,
                              tier=TierOptions(heat_file=str(heat)))
         teacher_forced_nll(engine, prompt, full)

@@ -3,10 +3,11 @@
 Why: the quantised kernels only pay if they run near the memory roofline, so
 the benchmark reports each kernel's weights per second next to the stream
 bandwidth measured in the same run (bytes per weight include the scales).
-The machine is shared, so every figure is the median of many timed calls
-(the best call is reported too); operands rotate through a 512 MiB working set, larger
-than the last-level cache (300 MiB here), so that every weight comes from
-DRAM as it does in decode, and sit on huge pages as the engine's weights do
+A shared machine is noisy, so every figure is the median of many timed
+calls (the best call is reported too); operands rotate through a 512 MiB
+working set, larger than the last-level cache (300 MiB on the machine of
+docs/benchmarks.md), so that every weight comes from DRAM as it does in
+decode, and sit on huge pages as the engine's weights do
 (engine/hugepages.py); `per_core_cpu` is the cache-hot figure.
 """
 
@@ -108,7 +109,7 @@ def measure_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
     repeats, of a buffer on huge pages as the engine's weights are."""
     # an fp32 matvec over the whole buffer: the kernels' own row loop (64 bytes of four rows
     # per iteration, prefetching ahead) with one multiply-add per 4 bytes, i.e. the read
-    # bandwidth those loops can reach (a plain prange sum: 0-15% slower, measured)
+    # bandwidth those loops can reach (a plain prange sum reads slower: docs/benchmarks.md, Kernels)
     a = hugepages.empty((max(4, nbytes // 4096), 1024), np.float32)
     a[:] = 1.0
     ones = np.ones(1024, dtype=np.float32)

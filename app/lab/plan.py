@@ -3,9 +3,9 @@
 The GPU tier is filled once at start and then kept, so its hit rate on a
 trace is simply the share of routed slots whose (layer, expert) was planned
 in. Index order fills whole layers from layer 0 and leaves the rest empty;
-heat order takes the hottest experts of every layer. The seed measured
-32% -> 91% VRAM hit on a real model; `compare_warmstarts` reproduces that
-shape on any trace, for benchmarks and docs.
+heat order takes the hottest experts of every layer, so on a skewed trace
+it serves far more slots; `compare_warmstarts` measures both on any trace,
+for benchmarks and docs (docs/tiers.md, "Warmstart").
 """
 
 from __future__ import annotations

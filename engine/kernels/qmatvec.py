@@ -78,9 +78,9 @@ def _f32_from_bits(typingctx, b):
 def wide_vectors(typingctx):
     """Let LLVM use 512-bit registers in the calling function.
 
-    LLVM's default tuning for recent Intel cores prefers 256-bit vectors; for
-    these widen-and-FMA loops 512-bit ones are ~1.4x faster (int4: 6.5 -> 9-12
-    Gweights/s per core). The function attributes are ignored on CPUs
+    LLVM's default tuning for recent Intel cores prefers 256-bit vectors; these
+    widen-and-FMA loops do twice the work per instruction with 512-bit ones
+    (docs/benchmarks.md, Kernels). The function attributes are ignored on CPUs
     without AVX-512, where LLVM keeps the widest vectors the CPU has.
     """
 
@@ -98,15 +98,13 @@ def wide_vectors(typingctx):
 # --- software prefetch of the rows ahead -----------------------------------------------------
 # A row of an expert matrix is 256 bytes to 8 KiB, so the hardware prefetcher,
 # which stops at every 4 KiB page and needs a few misses to ramp up, leaves
-# each new row to start cold: from DRAM the kernels ran at half their
-# cache-hot speed. Every row loop below therefore prefetches as it goes, one
-# line per 64 bytes it reads, the same place in the rows a later step reads,
-# this many bytes ahead (rounded up to whole steps): 1-thread int4 from DRAM
-# 15 -> 17 Gweights/s on 1 KiB rows and 7-10 -> 12.6-13.3 on 256-byte rows,
-# where one step ahead is too close to hide DRAM latency. (Prefetching a whole
-# row at the start of a step, as the fp32/bf16 loops once did, fills the
-# core's line-fill buffers in a burst and stalls its own loads: bf16 moved from
-# that to this scheme 1.2-1.3x faster; docs/benchmarks.md.)
+# each new row to start cold, and from DRAM the loads of a cold row stall the
+# loop. Every row loop below therefore prefetches as it goes, one line per 64
+# bytes it reads, the same place in the rows a later step reads, this many
+# bytes ahead (rounded up to whole steps): on short rows one step ahead is too
+# close to hide DRAM latency. Prefetching a whole row at the start of a step
+# instead fills the core's line-fill buffers in a burst and stalls its own
+# loads. Figures: docs/benchmarks.md, Kernels ("Row loops").
 _AHEAD_BYTES = 2048
 
 
@@ -114,11 +112,11 @@ _AHEAD_BYTES = 2048
 # LLVM's vectoriser reduces each 64-group to a scalar before scaling it (five
 # shuffles and adds per group and row). Written out by hand, each row keeps a
 # 16-lane accumulator across all groups: per group, the products are summed
-# into 16 lanes with FMAs and then one FMA adds them times the group's scale.
-# int4 per core: 10.9 -> ~15 Gweights/s. Each call of a row intrinsic below
-# works on four rows of two 2-D matrices (rows r0, r1 of the first, r2, r3 of
-# the second), which share every load of x; the rows are found by pointer
-# arithmetic.
+# into 16 lanes with FMAs and then one FMA adds them times the group's scale,
+# with no horizontal sum per group (docs/benchmarks.md, Kernels). Each call of
+# a row intrinsic below works on four rows of two 2-D matrices (rows r0, r1 of
+# the first, r2, r3 of the second), which share every load of x; the rows are
+# found by pointer arithmetic.
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -452,9 +450,9 @@ def _raw_rows_loop(context, builder, signature, args):
 
 
 # --- helpers of the row passes -------------------------------------------------------------
-# Rows that share the loads of x are what makes the loops fast (two rows over
-# one: ~1.3-1.8x; four over two: up to 1.2x from DRAM); in GATE_UP the rows come
-# from two matrices (gate rows i, i+1 with up rows i, i+1).
+# Rows that share the loads of x are what makes the loops fast: each load of x
+# feeds several rows' multiply-adds (docs/benchmarks.md, Kernels); in GATE_UP
+# the rows come from two matrices (gate rows i, i+1 with up rows i, i+1).
 
 
 def _as_f32(v):
@@ -520,7 +518,7 @@ def _prepare_into(x, bits, digits, unit, corr):
     VNNI: per 64-byte block of a row, `digits` holds 3 digits x operands x 64
     bytes lined up with the weight bytes they multiply, `unit` the 16 lanes' units
     and `corr` the 16 lanes' integer offsets. Float path: `unit` = 8 * group sums (int4).
-    Written as plain loops over contiguous runs so that LLVM vectorises them (~1 us for 2048).
+    Written as plain loops over contiguous runs so that LLVM vectorises them.
     """
     wide_vectors()
     n_groups = x.shape[0] // GROUP
@@ -616,8 +614,8 @@ def _ahead_bytes(q, mode):
 # --- row passes: one parallel function serves the matvec and both expert halves ------------
 # Modes: SET out[r] = row r . x; ADD out[r] += w * (row r . x); GATE_UP out[i] =
 # silu(a_i . x) * (b_i . x). One parallel function for every use and weight layout
-# (compiled once per layout) keeps numba's cold compile short (~20 s for
-# everything), which CI pays on every run.
+# (compiled once per layout) keeps numba's cold compile short, which CI pays on
+# every run (docs/benchmarks.md, Kernels: cold compile).
 
 SET, ADD, GATE_UP = 0, 1, 2
 
@@ -628,8 +626,8 @@ def _silu_mul(g, u):
 
 
 # Each pass has one parallel loop for GATE_UP and one for SET/ADD, chosen before the loop:
-# with the mode decided inside the loop (which rows, which store) the same 2048x512 int4
-# pass ran at 0.7x (interleaved A/B). Four rows per step share every load of x: for
+# a mode decided inside the loop (which rows, which store) branches in every step and
+# slows the pass (docs/benchmarks.md, Kernels). Four rows per step share every load of x: for
 # SET/ADD rows 4p..4p+3 of one matrix, for GATE_UP gate rows 2p, 2p+1 with up rows 2p, 2p+1.
 
 
@@ -738,8 +736,8 @@ def _tokens(qa, sa, qb, sb, x, out, mode):
 
 # --- public entry points --------------------------------------------------------------------
 # Plain Python on purpose: a numba function that calls another is re-optimised
-# with the callee inlined, so njit wrappers here tripled the cold compile time
-# (to ~40 s) for a saving of a few microseconds per call.
+# with the callee inlined, so njit wrappers here would multiply the cold compile
+# time (docs/benchmarks.md, Kernels: cold compile) to save microseconds per call.
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
