@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: run test venv bench clean
+.PHONY: run test test-prerequisites venv bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,7 +18,10 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tierlab $(ARGS)
 
-test: $(STAMP)
+test-prerequisites:
+	@command -v tmux >/dev/null || { echo "tmux is needed for the terminal smoke test: apt-get install tmux" >&2; exit 1; }
+
+test: test-prerequisites $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(STAMP)
