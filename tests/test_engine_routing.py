@@ -29,10 +29,12 @@ def decode_ids(folder, cache=None, **knobs):
     return engine, ids
 
 
-def test_lever_off_decodes_what_transformers_decodes(oracle_models, folder):
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_moe"])
+def test_lever_off_decodes_what_transformers_decodes(oracle_models, name):
     import oracle_models as om
 
-    want = om.hf_greedy(oracle_models["qwen3_5_moe"][0], PROMPT, N)[len(PROMPT):]
+    model, folder = oracle_models[name]
+    want = om.hf_greedy(model, PROMPT, N)[len(PROMPT):]
     for cache in (2, 4, None):
         engine, ids = decode_ids(folder, cache=cache)
         assert ids == want, cache
