@@ -39,6 +39,9 @@ def test_lever_off_decodes_what_transformers_decodes(oracle_models, name):
         engine, ids = decode_ids(folder, cache=cache)
         assert ids == want, cache
         assert engine.router.meters.slots == 0  # the lever's code never ran
+    stock = load_engine(folder, cache_slots=4, knobs=Knobs.from_env({}))
+    stock.router = None  # no routing module at all: the plain top-K path
+    assert greedy_decode(stock, PROMPT, N)[0] == want
 
 
 RECORDED = json.loads((Path(__file__).with_name("data") / "lever_off_ids.json").read_text())
