@@ -9,7 +9,7 @@ RUN_STAMP := $(VENV)/.run-$(SUM)
 TEST_STAMP := $(VENV)/.test-$(SUM)
 PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: run test venv bench clean
+.PHONY: run test test-prerequisites venv bench clean
 
 $(RUN_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,7 +26,10 @@ venv: $(TEST_STAMP)
 run: $(RUN_STAMP)
 	$(BIN)/tierlab $(ARGS)
 
-test: $(TEST_STAMP)
+test-prerequisites:
+	@command -v tmux >/dev/null || { echo "tmux is needed for the terminal smoke test: apt-get install tmux" >&2; exit 1; }
+
+test: test-prerequisites $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(RUN_STAMP)

@@ -25,6 +25,18 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300):
 
 
 @pytest.fixture(scope="session")
+def opencl_device():
+    """The tests of the GPU tier need an OpenCL device; CI has PoCL, so its absence fails them."""
+    import pyopencl as cl
+
+    try:
+        found = any(p.get_devices() for p in cl.get_platforms())
+    except cl.Error:
+        found = False
+    assert found, "no OpenCL device: pyopencl[pocl] should provide one"
+
+
+@pytest.fixture(scope="session")
 def oracle_models(tmp_path_factory):
     """name -> (hf model, folder): per-expert layouts of both archs, and the fused VL layout."""
     import oracle_models as om

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from record_lever_off_ids import lever_off_ids
+from tierlab import ASSETS_DIR
 from tierlab.app.lab.evaluate import greedy_decode
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.model import load_engine
@@ -24,13 +29,36 @@ def decode_ids(folder, cache=None, **knobs):
     return engine, ids
 
 
-def test_lever_off_is_byte_identical_to_the_stock_router(folder):
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_moe"])
+def test_lever_off_decodes_what_transformers_decodes(oracle_models, name):
+    import oracle_models as om
+
+    model, folder = oracle_models[name]
+    want = om.hf_greedy(model, PROMPT, N)[len(PROMPT):]
+    for cache in (2, 4, None):
+        engine, ids = decode_ids(folder, cache=cache)
+        assert ids == want, cache
+        assert engine.router.meters.slots == 0  # the lever's code never ran
     stock = load_engine(folder, cache_slots=4, knobs=Knobs.from_env({}))
     stock.router = None  # no routing module at all: the plain top-K path
-    ids_stock, _ = greedy_decode(stock, PROMPT, N)
-    engine, ids = decode_ids(folder, cache=4)
-    assert np.array_equal(np.array(ids, dtype=np.int64).tobytes(), np.array(ids_stock, dtype=np.int64).tobytes())
-    assert engine.router.meters.slots == 0  # the lever's code never ran
+    assert greedy_decode(stock, PROMPT, N)[0] == want
+
+
+RECORDED = json.loads((Path(__file__).with_name("data") / "lever_off_ids.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED["models"]))
+def test_lever_off_ids_of_the_shipped_models_are_the_recorded_ones(name):
+    """Byte-identical to ids recorded before any later change (and to ref.json, transformers' greedy)."""
+    record = RECORDED["models"][name]
+    folder = ASSETS_DIR / name
+    reference = json.loads((folder / "ref.json").read_text())
+    assert record["prompt_ids"] == reference["prompt_ids"]
+    assert len(record["ids"]) >= 3
+    for cache, want in record["ids"].items():
+        ids = lever_off_ids(folder, record["prompt_ids"], None if cache == "None" else int(cache), record["n"])
+        assert np.array(ids, dtype=np.int64).tobytes() == np.array(want, dtype=np.int64).tobytes(), (name, cache)
+        assert ids == reference["full_ids"][len(reference["prompt_ids"]):][: record["n"]], (name, cache)
 
 
 def test_route_agree_alone_only_measures(folder):

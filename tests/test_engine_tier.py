@@ -11,7 +11,7 @@ from tierlab.engine.knobs import Knobs
 from tierlab.engine.model import load_engine
 from tierlab.engine.tiering import TierOptions
 
-pytest.importorskip("pyopencl")
+pytestmark = pytest.mark.usefixtures("opencl_device")
 PROMPT = [int(i) for i in np.random.default_rng(11).integers(2, 250, 12)]
 N = 12
 EXPERT_GIB = 24576 / 2**30  # one fp32 expert of the oracle models (3 x 32 x 64 x 4 bytes)

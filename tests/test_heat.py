@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from tierlab.engine.errors import FormatError
-from tierlab.engine.heat import MAGIC, HeatProfile, diff, from_routes, index_order, summarize_counts
+from tierlab.engine.heat import HeatProfile, diff, from_routes, index_order, summarize_counts
 from tierlab.app.lab.plan import compare_warmstarts, synthetic_trace, trace_heat
 
 PYTHON = sys.executable  # the venv running the tests (/work/main/.venv/bin/python under `make test`)
+MAGIC = 0x51544831  # the format's magic, written out here so that a change to the engine's constant fails
 
 
 def known_profile() -> HeatProfile:
@@ -50,6 +51,18 @@ def test_round_trip_and_byte_layout(tmp_path):
     assert struct.unpack("<5I", data[12:32]) == (0, 1, 2, 0, 0)  # layer 0 first
     back = HeatProfile.read(path, n_layers=3, n_experts=5)
     assert np.array_equal(back.counts, heat.counts) and back.counts.dtype == np.int64
+
+
+def test_exact_bytes_of_a_one_layer_two_expert_profile(tmp_path):
+    heat = HeatProfile(1, 2)
+    heat.counts[0] = [3, 258]
+    want = b"1HTQ" b"\x01\x00\x00\x00" b"\x02\x00\x00\x00" b"\x03\x00\x00\x00" b"\x02\x01\x00\x00"
+    assert heat.to_bytes() == want
+    path = tmp_path / "heat.bin"
+    heat.write(path)
+    assert path.read_bytes() == want
+    path.write_bytes(want)
+    assert HeatProfile.read(path).counts.tolist() == [[3, 258]]
 
 
 def test_atomic_write_leaves_no_temp_files_and_replaces(tmp_path):

@@ -10,23 +10,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-cl = pytest.importorskip("pyopencl")
+import pyopencl as cl
 
-from tierlab.engine.blob_layout import KINDS, blob_nbytes  # noqa: E402
-from tierlab.engine.tiers.opencl_tier import OpenCLTier, TierFailure  # noqa: E402
+from tierlab.engine.blob_layout import KINDS, blob_nbytes
+from tierlab.engine.tiers.opencl_tier import OpenCLTier, TierFailure
 
 SMALL = (128, 64)
 BIGGER = (384, 192)
 
 
-def _has_device() -> bool:
-    try:
-        return any(p.get_devices() for p in cl.get_platforms())
-    except cl.Error:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _has_device(), reason="no OpenCL device")
+pytestmark = pytest.mark.usefixtures("opencl_device")
 
 
 # --- blob builders (test-side, from the layout spec) ----------------------
@@ -276,9 +269,7 @@ def test_blob_size_mismatch_is_rejected_at_open():
 @pytest.mark.parametrize("bits", [8, 4])
 def test_agrees_with_the_container_quantiser(bits):
     """Blobs written by the container's quantiser (engine/quant.py, written independently) run as they are."""
-    quant = pytest.importorskip("tierlab.engine.quant")
-    if not hasattr(quant, "build_blob"):
-        pytest.skip("container quantiser has no build_blob")
+    from tierlab.engine import quant
     hidden, inter = SMALL
     rng = np.random.default_rng(bits)
     gate, up = (rng.standard_normal((inter, hidden)) * 0.1 for _ in range(2))

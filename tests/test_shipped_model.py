@@ -9,18 +9,15 @@ recomputed here independently of tools/model_stats.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tierlab.app.lab.belady import lru_hits
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 #: folder -> (experts per layer, top-k, size budget in bytes)
@@ -30,13 +27,6 @@ MODELS = {
 }
 TOTAL_BUDGET = 30_000_000
 SLICE_TOKENS = 384
-
-
-def _has_engine() -> bool:
-    try:
-        return importlib.util.find_spec("tierlab.engine.model") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -130,7 +120,6 @@ def test_size_budget():
     assert total <= TOTAL_BUDGET, total
 
 
-@pytest.mark.skipif(not _has_engine(), reason="tierlab.engine.model is not written yet")
 def test_engine_logits_match_transformers(shipped):
     from tierlab.engine.model import load_engine
 

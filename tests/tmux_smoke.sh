@@ -5,6 +5,10 @@
 set -euo pipefail
 
 MODEL=${1:?usage: tmux_smoke.sh MODEL_DIR [WORK_DIR]}
+if ! command -v tmux >/dev/null; then
+    echo "FAIL: tmux is needed for the terminal smoke test: apt-get install tmux" >&2
+    exit 1
+fi
 WORK=${2:-$(mktemp -d)}
 mkdir -p "$WORK"
 PY=${PYTHON:-python3}
