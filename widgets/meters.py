@@ -18,7 +18,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline, Static
 from textual_plotext import PlotextPlot
 
-from tierlab.engine.meters import Meter, select
+from tierlab.engine.meters import METER_BY_KEY, Meter, select
 
 HISTORY = 400
 """Tokens of history kept for sparklines and the plot."""
@@ -61,6 +61,15 @@ class MeterHistory:
             self.series.setdefault(spec.key, deque(maxlen=self.limit)).append(shown)
         self.latest = {key: None if value is None else float(value) for key, value in meters.items()
                        if value is None or isinstance(value, (int, float))}
+
+    def replace_latest(self, key: str, value: float | None) -> None:
+        """Correct one meter of the latest token (a figure computed after the token was recorded)."""
+        if not self.latest:
+            return
+        self.latest[key] = value
+        series = self.series.get(key)
+        if series:
+            series[-1] = METER_BY_KEY[key].scaled(float(value)) if value is not None else 0.0
 
     def mark(self, token: int, label: str) -> None:
         """Remember a knob change at `token`."""

@@ -96,11 +96,7 @@ class EngineWatch:
         """Bring the oracle up to date now (when a reply ends), so the last figure is not a second old."""
         value = self.oracle.refresh()
         with self.lock:
-            series = self.history.series.get("oracle_hit")
-            if series:
-                series[-1] = 0.0 if value is None else 100.0 * value
-            if self.history.latest:
-                self.history.latest["oracle_hit"] = value
+            self.history.replace_latest("oracle_hit", value)
 
     def _on_knob(self, change: KnobChange) -> None:
         self.mark(f"{change.name}={format_knob_value(change.new)}")
