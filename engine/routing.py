@@ -346,7 +346,7 @@ def _prior_core_nb(logits, probs, mask, level, K, J, bias, alpha):
     return idx, val, swapped, ranked.copy(), counts, kl
 
 
-# Strategies as the Router's numba entry point numbers them.
+# Strategies as the Router numbers them (_PLAIN never reaches numba: it is plain_topk).
 _PLAIN, _MAXRANK, _CUMPROB, _PRIOR = 0, 1, 2, 3
 
 
@@ -367,16 +367,14 @@ def _update_range_nb(range_ema, layer, logits, mask):
 
 @numba.njit(nogil=True, cache=True)
 def _router_nb(strategy, logits, probs, mask, level, K, J, M, P, alpha, lam, range_ema, layer, norm):
-    """Everything Router.select computes, in one call (no numpy overhead per layer)."""
+    """Everything Router.select computes for a lever strategy, in one call (no numpy overhead per layer)."""
     delta = _update_range_nb(range_ema, layer, logits, mask) if logits.shape[0] > 0 else 0.0
     if strategy == _PRIOR:
         idx, val, swapped, ranked, counts, kl = _prior_core_nb(logits, probs, mask, level, K, J, lam * delta, alpha)
     elif strategy == _CUMPROB:
         idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, J, probs.shape[0], P, alpha)
-    elif strategy == _MAXRANK:
+    else:  # _MAXRANK
         idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, J, M, P, alpha)
-    else:
-        idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, K, K, 0.0, 1.0)
     weights = val.copy()
     if norm:
         total = 0.0

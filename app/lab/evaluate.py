@@ -19,7 +19,7 @@ import numpy as np
 
 from tierlab.app.lab.oracle import OracleBand
 from tierlab.engine.errors import FormatError
-from tierlab.engine.meters import MISSING, MeterFold, meters_json
+from tierlab.engine.meters import METER_BY_KEY, MeterFold
 from tierlab.engine.model import TIMER_NAMES, Engine
 from tierlab.engine.routing import format_footer
 
@@ -122,9 +122,9 @@ def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = Fal
              on_generated=None) -> dict:
     """One evaluation run: matching, optional TF-NLL, and every meter.
 
-    The result is what `tierlab eval --json` prints: rates in percent
-    (meters_json). `on_generated()` is called after the generation, before
-    teacher forcing (a session log stops recording there)."""
+    Meters as RunMeters.summary gives them (rates as fractions; `tierlab eval
+    --json` writes them through meters_json). `on_generated()` is called after
+    the generation, before teacher forcing (a session log stops recording there)."""
     engine.reset_meters()
     n = len(full) - len(prompt)
     t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = Fal
     reference = full[len(prompt):]
     matching = sum(int(a == b) for a, b in zip(generated, reference))
     result = {"matching": matching, "total": n, "generated": generated}
-    result.update(meters_json(meters))
+    result.update(meters)
     result["wall_s"] = wall
     result["route_footer"] = format_footer(engine.knobs.snapshot(), meters)
     if on_generated is not None:
@@ -157,25 +157,20 @@ def format_report(engine: Engine, result: dict) -> list[str]:
     if result.get("tf_nll") is not None:
         lines.append(f"TF-NLL: {result['tf_nll']:.4f} nats/token over {result['tf_tokens']} tokens | ppl = {result['ppl']:.4f}")
     lines.append(
-        f"Expert cache hit rate: {_percent(result['ram_hit'])} (hit={result['ram_hits']} miss={result['ram_misses']}) "
-        f"| Belady bound {_percent(result['oracle_hit'])} at {result['cache_slots']} slots/layer"
+        f"Expert cache hit rate: {_show(result, 'ram_hit')} (hit={result['ram_hits']} miss={result['ram_misses']}) "
+        f"| Belady bound {_show(result, 'oracle_hit')} at {result['cache_slots']} slots/layer"
     )
     if engine.tier is not None:
-        lines.append(f"VRAM hit rate: {_percent(result['vram_hit'])} ({result.get('tier_residents', 0)} experts resident)")
+        lines.append(f"VRAM hit rate: {_show(result, 'vram_hit')} ({result.get('tier_residents', 0)} experts resident)")
     lines.extend(result["route_footer"])
     ms = result["ms_per_token"]
     lines.append(
-        f"decode {_number(result['tok_s'], '.2f')} tok/s | ms/token: fetch {ms['fetch']:.2f} compute {ms['compute']:.2f} "
+        f"decode {_show(result, 'tok_s')} tok/s | ms/token: fetch {ms['fetch']:.2f} compute {ms['compute']:.2f} "
         f"attention {ms['attention']:.2f} deltanet {ms['deltanet']:.2f} router {ms['router']:.2f} "
         f"shared {ms['shared']:.2f} tier {ms['tier']:.2f} lm_head {ms['lm_head']:.2f} other {ms['other']:.2f}"
     )
     return lines
 
 
-def _percent(value: float | None) -> str:
-    """A JSON-shaped rate (already in percent) as the report shows it."""
-    return MISSING if value is None else f"{value:.1f}%"
-
-
-def _number(value: float | None, spec: str) -> str:
-    return MISSING if value is None else format(value, spec)
+def _show(result: dict, key: str) -> str:
+    return METER_BY_KEY[key].show(result[key])
