@@ -29,6 +29,7 @@ from tierlab.engine.expert_cache import ExpertCache
 from tierlab.engine.expert_source import RawExpertSource
 from tierlab.engine.kernels.dense import linear, rmsnorm
 from tierlab.engine.knobs import Knobs
+from tierlab.engine.meters import MeterFold, read_store_counters
 from tierlab.engine.models import ARCHITECTURES
 from tierlab.engine.moe import DenseBlock, MoEBlock
 from tierlab.engine.prefetch import Pilot, pin_hot
@@ -76,11 +77,9 @@ class Engine:
         self.heat_file: str | None = None
         self.base_heat = None
         self.tier_report: dict = {}
-        #: per MoE layer, the expert ids requested by each token (for the Belady bound)
-        self.requests: list[list[np.ndarray]] = [[] for _ in range(cfg.n_layers)]
+        self.meter_fold = MeterFold()  # every token since the last reset_meters
         self.timers: dict[str, float] = defaultdict(float)
         self.tokens_timed = 0
-        self.vram_served = 0
         self._listeners: list[Callable[[TokenEvent], None]] = []
         self._lock = threading.RLock()
         self.notices: list[str] = []
@@ -120,12 +119,9 @@ class Engine:
     def reset_meters(self) -> None:
         self.cache.reset_counters()
         self.heat[:] = 0
-        self.requests = [[] for _ in range(self.config.n_layers)]
+        self.meter_fold.reset()
         self.timers = defaultdict(float)
         self.tokens_timed = 0
-        self.vram_served = 0
-        if self.router is not None:
-            self.router.reset_meters()
         if self.pilot is not None:
             self.pilot.reset_meters()
 
@@ -206,15 +202,18 @@ class Engine:
         return self.pilot
 
     def _publish(self, ids, start, phase, routes_by_layer, timers, T) -> None:
-        if not self._listeners:
-            return
+        """One TokenEvent per token: into the engine's own meter fold, then to every listener."""
         per_token_ms = {k: 1000.0 * v / T for k, v in timers.items()}
         seq = self.knobs.seq
+        store = read_store_counters(self)
+        gpu_tier = self.tier is not None
+        listeners = list(self._listeners)
         for t in range(T):
-            layers = [routes[t].as_event(i) for i, routes in enumerate(routes_by_layer) if routes]
+            layers = [routes[t] for routes in routes_by_layer if routes]
             event = TokenEvent(index=start + t, token_id=int(ids[t]), phase=phase, layers=layers,
-                               timings_ms=per_token_ms, knob_seq=seq)
-            for listener in list(self._listeners):
+                               timings_ms=per_token_ms, knob_seq=seq, gpu_tier=gpu_tier, store=store)
+            self.meter_fold.add(event)
+            for listener in listeners:
                 listener(event)
 
     # -- generation -----------------------------------------------------------------
@@ -251,43 +250,8 @@ class Engine:
 
     # -- meters ----------------------------------------------------------------------
     def meters(self) -> dict:
-        """Current meter values: rates in percent, times in ms per token (all tokens so far)."""
-        cache = self.cache
-        slots_total = sum(len(r) for r in self.requests) * self.config.top_k
-        n = max(self.tokens_timed, 1)
-        out = {
-            "ram_hit": 100.0 * cache.hit_rate(),
-            "ram_hits": int(cache.hits.sum()),
-            "ram_misses": int(cache.misses.sum()),
-            "vram_hit": 100.0 * self.vram_served / slots_total if slots_total else 0.0,
-            "vram_served": int(self.vram_served),
-            "tok_s": self.tokens_timed / self.timers["total"] if self.timers["total"] else 0.0,
-            "fetch_ms": 1000.0 * self.timers["fetch"] / n,
-            "compute_ms": 1000.0 * self.timers["compute"] / n,
-        }
-        if self.router is not None:
-            from tierlab.engine.routing import meters_json
-
-            out.update(meters_json(self.router.meters))
-        if self.tier is not None:
-            out.update(tier_residents=int(self.tier.stats.residents), tier_uploads=int(self.tier.stats.uploads),
-                       tier_bytes=int(self.tier.stats.bytes))
-        if self.pilot is not None:
-            pm = self.pilot.meters()
-            out.update(pm)
-            total = out["ram_hits"] + out["ram_misses"]
-            without = out["ram_hits"] - self.pilot.prefetch_hits
-            out["ram_hit_without_prefetch"] = 100.0 * max(without, 0) / total if total else 0.0
-        return out
-
-    def oracle_hit(self) -> float:
-        """Hit rate (percent) an optimal Belady cache of the same size reaches on the requests so far."""
-        from tierlab.app.lab.belady import belady_hit_rate
-
-        layers = [np.stack(r) for r in self.requests if r and len({len(x) for x in r}) == 1]
-        if not layers:
-            return 0.0
-        return 100.0 * belady_hit_rate(layers, self.cache.slots)
+        """The engine's meters since the last reset_meters (engine/meters.py: rates as fractions, None = no samples)."""
+        return self.meter_fold.summary()
 
     def close(self) -> None:
         """Write HEAT_FILE (if set), stop the prefetcher, release files and the device."""
@@ -326,8 +290,6 @@ class _PassContext:
         chosen = route.chosen[route.chosen >= 0]
         engine.heat[layer, chosen] += 1
         engine.heat_total[layer, chosen] += 1
-        engine.requests[layer].append(chosen.astype(np.int16))
-        engine.vram_served += route.vram_served
 
     def tier_enqueue(self, layer: int, experts: list[int], x: np.ndarray):
         return tiering.tier_enqueue(self.engine, layer, experts, x)

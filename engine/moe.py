@@ -12,15 +12,15 @@ moving an expert between tiers never changes the result.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
-from tierlab.engine.kernels.dense import axpy, linear, softmax_row, topk_desc
+from tierlab.engine.kernels.dense import axpy, linear, softmax_row
 from tierlab.engine.kernels.qmatvec import expert_forward_tokens
+from tierlab.engine.routing import plain_topk
 
 
 class SwiGLU:
@@ -36,25 +36,6 @@ class SwiGLU:
         u = linear(self.up, x)
         h = g / (1.0 + np.exp(-g)) * u
         return linear(self.down, np.ascontiguousarray(h, dtype=np.float32))
-
-
-@dataclass
-class TokenRoute:
-    """Routing decisions for one token in one layer (before events are built)."""
-
-    chosen: np.ndarray
-    weights: np.ndarray
-    true_topk: np.ndarray
-    level: np.ndarray
-    swapped: np.ndarray
-    true_probs: np.ndarray  # router probabilities of the true top-K (for KL from logs)
-    ram_hits: int = 0
-    ram_misses: int = 0
-    vram_served: int = 0
-
-    def as_event(self, layer: int) -> LayerRoute:
-        return LayerRoute(layer, self.chosen, self.weights, self.true_topk, self.level, self.swapped,
-                          self.ram_hits, self.ram_misses, self.vram_served, self.true_probs)
 
 
 class MoEBlock:
@@ -80,35 +61,22 @@ class MoEBlock:
             self.router_w = rows[0]
 
     # -- routing ---------------------------------------------------------------
-    def route(self, logits: np.ndarray, ctx) -> TokenRoute:
+    def route(self, logits: np.ndarray, ctx) -> LayerRoute:
+        """This token's routing record: the router's when the lever or its meters are on, else the plain top-K."""
         cfg = self.cfg
         K = cfg.top_k
         probs = np.empty(cfg.n_experts, dtype=np.float32)
         softmax_row(logits, probs)
         knobs = ctx.knobs
-        # the stock router: softmax, top-K, optionally renormalise
-        idx = np.empty(K, dtype=np.int64)
-        topk_desc(probs, K, idx)
-        w = probs[idx].astype(np.float32)
-        if cfg.norm_topk_prob:
-            w = (w / w.sum()).astype(np.float32)
-        chosen = idx.astype(np.int32)
-        lever = ctx.router is not None and knobs.CACHE_ROUTE
-        if lever or (ctx.router is not None and knobs.meters_on):
-            level = ctx.residency(self.layer)
-            r = ctx.router.select(self.layer, logits, probs, level, knobs)
-            # a lever that substitutes nothing changes nothing, bit for bit: keep the stock weights
-            if lever and (np.any(r.swapped) or not np.array_equal(np.asarray(r.idx), chosen)):
-                return TokenRoute(np.asarray(r.idx, dtype=np.int32), np.asarray(r.weights, dtype=np.float32),
-                                  np.asarray(r.true_topk, dtype=np.int32), np.asarray(r.level, dtype=np.int8),
-                                  np.asarray(r.swapped, dtype=np.bool_), probs[np.asarray(r.true_topk)])
-            return TokenRoute(chosen, w, chosen.copy(), level[chosen].astype(np.int8), np.zeros(K, dtype=np.bool_),
-                              probs[idx])
+        if ctx.router is not None and (knobs.CACHE_ROUTE or knobs.meters_on):
+            return ctx.router.select(self.layer, logits, probs, ctx.residency(self.layer), knobs)
+        chosen, w = plain_topk(probs, K, cfg.norm_topk_prob)
         level = ctx.residency(self.layer)[chosen] if ctx.wants_levels else np.zeros(K, dtype=np.int8)
-        return TokenRoute(chosen, w, chosen.copy(), level.astype(np.int8), np.zeros(K, dtype=np.bool_), probs[idx])
+        return LayerRoute(self.layer, chosen, w, chosen.copy(), probs[chosen], level.astype(np.int8),
+                          np.zeros(K, dtype=np.bool_), slots=K)
 
     # -- compute ---------------------------------------------------------------
-    def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[TokenRoute]]:
+    def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[LayerRoute]]:
         """x: normed hidden states [T, H]; returns the block output and each token's route."""
         T, H = x.shape
         timers = ctx.timers
@@ -131,7 +99,7 @@ class MoEBlock:
             timers["shared"] += time.perf_counter() - t2
         return out, routes
 
-    def _token_by_token(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[TokenRoute]:
+    def _token_by_token(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[LayerRoute]:
         """Route and compute each token in turn (decode, and prompts when experts can be evicted)."""
         timers = ctx.timers
         routes = []
@@ -149,7 +117,7 @@ class MoEBlock:
         (every expert has a RAM slot) and no GPU tier takes a share of them."""
         return ctx.tier is None and ctx.cache.slots >= self.cfg.n_experts
 
-    def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[TokenRoute]:
+    def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[LayerRoute]:
         """A prompt's experts, each read once for all the tokens routed to it.
 
         Routing, residency and the hit/miss counts follow the tokens in order
@@ -163,7 +131,7 @@ class MoEBlock:
         layer, cache, timers = self.layer, ctx.cache, ctx.timers
         T, K = x.shape[0], self.cfg.top_k
         source = cache.source
-        routes: list[TokenRoute] = []
+        routes: list[LayerRoute] = []
         users: dict[int, list[tuple[int, int]]] = {}  # expert -> [(token, slot)] in token order
         blobs: dict[int, np.ndarray] = {}
         fetches = []
@@ -204,7 +172,7 @@ class MoEBlock:
                 fetch.close()
         return routes
 
-    def _experts(self, x: np.ndarray, route: TokenRoute, y: np.ndarray, ctx) -> None:
+    def _experts(self, x: np.ndarray, route: LayerRoute, y: np.ndarray, ctx) -> None:
         """y += sum over slots in rank order of weight * expert(x)."""
         layer = self.layer
         K = route.chosen.shape[0]

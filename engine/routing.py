@@ -13,19 +13,24 @@ cache), trading a little fidelity for far fewer disk reads. Three strategies:
 
 ``route_select`` is the pure contract of REFERENCE.md §2, written for
 reading; ``route_select_numba`` is its twin for the hot path, and the tests
-hold them equal. ``Router`` is what the engine calls once per layer per
-token: it keeps the per-layer Cache-Prior state and the meters.
+hold them equal. ``plain_topk`` is the stock router's choice (softmax
+order, top-K, optional renormalisation) that every path starts from.
+``Router`` is what the engine calls once per layer per token: it keeps the
+per-layer Cache-Prior state and writes each decision as an events
+``LayerRoute`` with its meter counts; summing them is engine/meters.py's job.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numba
 import numpy as np
 
+from tierlab.engine.events import LayerRoute
+from tierlab.engine.kernels.dense import topk_desc
 from tierlab.engine.knobs import KnobValues
 
 LEVEL_GPU = 2
@@ -48,7 +53,7 @@ class RoutingWarning(UserWarning):
 
 @dataclass
 class RouteStats:
-    """Meter counts of one routing decision (see RouteMeters for their sums)."""
+    """Meter counts of one routing decision of the reference functions."""
 
     slots: int  # filled slots, min(K, eligible experts)
     swaps: int  # filled slots holding an expert outside the true top-K
@@ -341,7 +346,7 @@ def _prior_core_nb(logits, probs, mask, level, K, J, bias, alpha):
     return idx, val, swapped, ranked.copy(), counts, kl
 
 
-# Strategies as the Router's numba entry point numbers them.
+# Strategies as the Router numbers them (_PLAIN never reaches numba: it is plain_topk).
 _PLAIN, _MAXRANK, _CUMPROB, _PRIOR = 0, 1, 2, 3
 
 
@@ -362,16 +367,14 @@ def _update_range_nb(range_ema, layer, logits, mask):
 
 @numba.njit(nogil=True, cache=True)
 def _router_nb(strategy, logits, probs, mask, level, K, J, M, P, alpha, lam, range_ema, layer, norm):
-    """Everything Router.select computes, in one call (no numpy overhead per layer)."""
+    """Everything Router.select computes for a lever strategy, in one call (no numpy overhead per layer)."""
     delta = _update_range_nb(range_ema, layer, logits, mask) if logits.shape[0] > 0 else 0.0
     if strategy == _PRIOR:
         idx, val, swapped, ranked, counts, kl = _prior_core_nb(logits, probs, mask, level, K, J, lam * delta, alpha)
     elif strategy == _CUMPROB:
         idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, J, probs.shape[0], P, alpha)
-    elif strategy == _MAXRANK:
+    else:  # _MAXRANK
         idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, J, M, P, alpha)
-    else:
-        idx, val, swapped, ranked, counts, kl = _route_core_nb(probs, mask, level, K, K, K, 0.0, 1.0)
     weights = val.copy()
     if norm:
         total = 0.0
@@ -424,60 +427,32 @@ def prior_select_numba(logits, probs, mask, level, K: int, J: int, bias: float, 
 # --------------------------------------------------------------------------
 
 
-@dataclass
-class RouteResult:
-    """What one MoE layer runs for one token. Unfilled slots have idx -1 and weight 0."""
+def plain_topk(probs: np.ndarray, K: int, norm: bool, mask=None) -> tuple[np.ndarray, np.ndarray]:
+    """The stock router: the K most probable experts (ties to the lower id) and their weights.
 
-    idx: np.ndarray  # int32[K] experts to run
-    weights: np.ndarray  # float32[K] final gate weights
-    true_topk: np.ndarray  # int32[K] the router's own top-K (-1 padded)
-    true_weights: np.ndarray  # float32[K] probabilities of true_topk (for logs and KL)
-    swapped: np.ndarray  # bool[K] chosen only because it was resident
-    level: np.ndarray  # int8[K] residency of each chosen expert (0 for unfilled)
-
-
-@dataclass
-class RouteMeters:
-    """Routing meters summed over tokens and layers."""
-
-    slots: int = 0
-    swaps: int = 0
-    swaps_vram: int = 0
-    agree_hit: int = 0
-    agree_tot: int = 0
-    kl_sum: float = 0.0
-    kl_count: int = 0
-
-    def add(self, counts: np.ndarray, kl: float) -> None:
-        self.slots += int(counts[0])
-        self.swaps += int(counts[1])
-        self.swaps_vram += int(counts[2])
-        self.agree_hit += int(counts[3])
-        self.agree_tot += int(counts[4])
-        self.kl_sum += float(kl)
-        self.kl_count += 1
-
-    @property
-    def swap_pct(self) -> float:
-        """Substitutes per chosen slot, in percent."""
-        return 100.0 * self.swaps / self.slots if self.slots else 0.0
-
-    @property
-    def route_agree(self) -> float:
-        """|chosen ∩ true top-K| / K, in percent (100 when nothing was routed)."""
-        return 100.0 * self.agree_hit / self.agree_tot if self.agree_tot else 100.0
-
-    @property
-    def route_kl(self) -> float:
-        """Mean KL(true top-K mass || chosen mass) per routing decision, nats."""
-        return self.kl_sum / self.kl_count if self.kl_count else 0.0
-
-    def as_dict(self) -> dict[str, float | int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    Returns (chosen int32[K], weights float32[K]); the weights are the
+    probabilities, renormalised over the chosen set when ``norm``. With a
+    ``mask``, ineligible experts are never chosen: fewer eligible than K
+    leaves -1 slots with weight 0 at the end.
+    """
+    keys = probs if mask is None else np.where(mask, probs, -np.inf).astype(np.float32)
+    idx = np.empty(K, dtype=np.int64)
+    topk_desc(keys, K, idx)
+    w = probs[idx].astype(np.float32)
+    chosen = idx.astype(np.int32)
+    if mask is not None:
+        unfilled = ~np.asarray(mask, dtype=bool)[idx]
+        chosen[unfilled] = -1
+        w[unfilled] = 0.0
+        if norm and w.sum() > 0:
+            w = (w / w.sum()).astype(np.float32)
+    elif norm:
+        w = (w / w.sum()).astype(np.float32)
+    return chosen, w
 
 
 class Router:
-    """Chooses each layer's experts for the engine and keeps the meters.
+    """Chooses each layer's experts for the engine and writes each decision's meter counts.
 
     Call ``select`` once per MoE layer per token, only when the lever or its
     meters are on; with ``CACHE_ROUTE`` off it returns the plain top-K.
@@ -488,13 +463,9 @@ class Router:
         self.n_experts = n_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.meters = RouteMeters()
         self._all_eligible = np.ones(n_experts, dtype=np.bool_)
         self._range_ema = np.full(n_layers, np.nan)
         self._warned_short = False
-
-    def reset_meters(self) -> None:
-        self.meters = RouteMeters()
 
     def logit_range_ema(self, layer: int) -> float:
         """Cache-Prior's Delta for a layer (nan before the layer's first token)."""
@@ -509,50 +480,65 @@ class Router:
             return _CUMPROB
         return _MAXRANK  # maxrank, or cumprob without a usable P
 
-    def select(self, layer: int, logits, probs, level, knobs: KnobValues, mask=None) -> RouteResult:
+    def select(self, layer: int, logits, probs, level, knobs: KnobValues, mask=None) -> LayerRoute:
         """Route one token through one layer: ``logits`` float32[E] (needed by the
         prior mode and its range EMA; None otherwise allowed), ``probs`` their
-        softmax, ``level`` int8[E] residency, ``mask`` bool[E] (None = all eligible)."""
+        softmax, ``level`` int8[E] residency, ``mask`` bool[E] (None = all eligible).
+
+        A decision that substitutes nothing is the plain top-K, bit for bit
+        (its stock weights included)."""
         strategy = self._strategy(knobs)
         if logits is None:
             if strategy == _PRIOR:
                 raise ValueError("ROUTE_MODE=prior needs the router logits")
             logits = _NO_LOGITS
-        idx, weights, true_topk, true_weights, swapped, chosen_level, counts, kl = _router_nb(
-            strategy,
-            np.ascontiguousarray(logits, dtype=np.float32),
-            np.ascontiguousarray(probs, dtype=np.float32),
-            self._all_eligible if mask is None else np.ascontiguousarray(mask, dtype=np.bool_),
-            np.ascontiguousarray(level, dtype=np.int8),
-            self.top_k,
-            knobs.ROUTE_J,
-            knobs.ROUTE_M,
-            float(knobs.ROUTE_P),
-            float(knobs.ROUTE_ALPHA),
-            float(knobs.ROUTE_LAMBDA),
-            self._range_ema,
-            layer,
-            self.norm_topk_prob,
-        )
-        self.meters.add(counts, kl)
-        if counts[0] < self.top_k and not self._warned_short:
+        probs = np.ascontiguousarray(probs, dtype=np.float32)
+        level = np.ascontiguousarray(level, dtype=np.int8)
+        logits = np.ascontiguousarray(logits, dtype=np.float32)
+        eligible = self._all_eligible if mask is None else np.ascontiguousarray(mask, dtype=np.bool_)
+        chosen, weights = plain_topk(probs, self.top_k, self.norm_topk_prob, mask)
+        slots = self.top_k if mask is None else int((chosen >= 0).sum())
+        route = None
+        if strategy == _PLAIN:
+            if logits.shape[0] > 0:
+                _update_range_nb(self._range_ema, layer, logits, eligible)
+        else:
+            idx, lever_weights, true_topk, true_weights, swapped, chosen_level, counts, kl = _router_nb(
+                strategy, logits, probs, eligible, level, self.top_k, knobs.ROUTE_J, knobs.ROUTE_M,
+                float(knobs.ROUTE_P), float(knobs.ROUTE_ALPHA), float(knobs.ROUTE_LAMBDA), self._range_ema,
+                layer, self.norm_topk_prob,
+            )
+            if np.any(swapped) or not np.array_equal(idx, chosen):
+                route = LayerRoute(layer, idx, lever_weights, true_topk, true_weights, chosen_level, swapped,
+                                   slots=int(counts[0]), swaps=int(counts[1]), swaps_vram=int(counts[2]),
+                                   measured=True, kl=float(kl))
+        if route is None:  # the plain top-K: every true expert chosen, so the KL is exactly 0
+            safe = np.maximum(chosen, 0)
+            route = LayerRoute(layer, chosen, weights, chosen.copy(), np.where(chosen >= 0, probs[safe], 0.0).astype(np.float32),
+                               np.where(chosen >= 0, level[safe], 0).astype(np.int8), np.zeros(self.top_k, dtype=np.bool_),
+                               slots=slots, measured=True, kl=0.0)
+        if route.slots < self.top_k and not self._warned_short:
             self._warned_short = True
             warnings.warn(
-                f"layer {layer}: only {int(counts[0])} eligible experts for top-{self.top_k}; "
+                f"layer {layer}: only {route.slots} eligible experts for top-{self.top_k}; "
                 "unfilled slots are -1 and skipped (said once)",
                 RoutingWarning,
                 stacklevel=2,
             )
-        return RouteResult(idx, weights, true_topk, true_weights, swapped, chosen_level)
+        return route
 
 
 # --------------------------------------------------------------------------
-# Footer and JSON
+# Footer
 # --------------------------------------------------------------------------
 
 
-def format_footer(knobs: KnobValues, meters: RouteMeters) -> list[str]:
-    """The seed engine's footer lines (empty when neither the lever nor its meters are on)."""
+def format_footer(knobs: KnobValues, summary: dict) -> list[str]:
+    """The seed engine's footer lines from a meter summary (engine/meters.py; rates as fractions).
+
+    Empty when neither the lever nor its meters are on. As in the seed,
+    routing nothing reads as 100% agreement and KL 0.
+    """
     lines = []
     if knobs.CACHE_ROUTE:
         mode = ""
@@ -560,22 +546,15 @@ def format_footer(knobs: KnobValues, meters: RouteMeters) -> list[str]:
             mode = f" mode=prior lambda={knobs.ROUTE_LAMBDA:g}"
         elif knobs.ROUTE_MODE == "cumprob":
             mode = " mode=cumprob"
+        swap = summary.get("swap") or 0.0
         lines.append(
             f"CACHE_ROUTE{mode} J={knobs.ROUTE_J} M={knobs.ROUTE_M} P={knobs.ROUTE_P:g} "
-            f"alpha={knobs.ROUTE_ALPHA:g} | swap {meters.swap_pct:.1f}% "
-            f"({meters.swaps}/{meters.slots}, {meters.swaps_vram} to VRAM)"
+            f"alpha={knobs.ROUTE_ALPHA:g} | swap {100.0 * swap:.1f}% "
+            f"({summary.get('swaps', 0)}/{summary.get('slots', 0)}, {summary.get('swaps_vram', 0)} to VRAM)"
         )
     if knobs.meters_on:
-        lines.append(f"route_agree {meters.route_agree:.1f}% | route_kl {meters.route_kl:.2f}")
+        agree = summary.get("route_agree")
+        kl = summary.get("route_kl")
+        lines.append(f"route_agree {100.0 * (1.0 if agree is None else agree):.1f}% | "
+                     f"route_kl {0.0 if kl is None else kl:.2f}")
     return lines
-
-
-def meters_json(meters: RouteMeters) -> dict[str, float | int]:
-    """Meters for JSON output: swap and route_agree in percent, route_kl in nats, plus raw counts."""
-    return {
-        "swap": meters.swap_pct,
-        "swaps_to_vram": meters.swaps_vram,
-        "route_agree": meters.route_agree,
-        "route_kl": meters.route_kl,
-        **meters.as_dict(),
-    }

@@ -2,7 +2,9 @@
 
 Subscribes a `SessionLogWriter` to the engine's token events and to knob
 changes, so every token and every change lands in the log as it happens
-(flushed per record), and writes the meters as a summary when closed.
+(flushed per record), and writes the meters of the tokens it recorded (its
+own `MeterFold`, rates in percent as every JSON output writes them) as a
+summary when closed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tierlab.engine.knobs import KnobChange
+from tierlab.engine.meters import MeterFold, meters_json
 from tierlab.engine.sessionlog import SessionLogWriter
 
 
@@ -24,6 +27,7 @@ class EngineLog:
     def __init__(self, engine, path: str | Path) -> None:
         self.engine = engine
         self.tokens = 0
+        self.fold = MeterFold()
         self.meters: dict | None = None
         self.writer = SessionLogWriter(
             path, model=model_record(engine), knobs=engine.knobs.snapshot(),
@@ -35,17 +39,19 @@ class EngineLog:
 
     def _on_token(self, event) -> None:
         self.writer.write_token(event)
+        self.fold.add(event)
         self.tokens += 1
 
     def _on_knob(self, change: KnobChange) -> None:
         self.writer.write_knob_change(change, self.tokens)
 
     def detach(self) -> None:
-        """Stop recording; the meters as they are now go into the summary."""
+        """Stop recording; the meters of the recorded tokens go into the summary."""
         if self.meters is None:
             self.engine.unsubscribe(self._on_token)
             self.engine.knobs.unsubscribe(self._on_knob)
-            self.meters = {k: v for k, v in self.engine.meters().items() if isinstance(v, (int, float))}
+            meters = meters_json(self.fold.summary())
+            self.meters = {k: v for k, v in meters.items() if isinstance(v, (int, float))}
 
     def close(self, extra: dict | None = None) -> None:
         """Write the summary (meters plus `extra`, e.g. ids_match and tf_nll) and close."""

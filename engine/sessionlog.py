@@ -33,6 +33,7 @@ import numpy as np
 
 from tierlab.engine.errors import FormatError
 from tierlab.engine.events import LayerRoute, TokenEvent
+from tierlab.engine.routing import topk_kl
 
 FORMAT_NAME = "tierlab-session-log"
 FORMAT_VERSION = 1
@@ -73,6 +74,7 @@ def _weights(values) -> list[float]:
 
 
 def _layer_record(route: LayerRoute) -> dict[str, Any]:
+    """A routing record as a log line writes it (the meter counts are recomputed when read)."""
     record = {
         "layer": int(route.layer),
         "chosen": np.asarray(route.chosen).astype(int).tolist(),
@@ -84,10 +86,43 @@ def _layer_record(route: LayerRoute) -> dict[str, Any]:
         "ram_misses": int(route.ram_misses),
         "vram_served": int(route.vram_served),
     }
-    true_weights = getattr(route, "true_weights", None)  # lets the log's KL be recomputed
+    true_weights = route.true_weights  # lets the log's KL be recomputed
     if true_weights is not None:
         record["true_weights"] = _weights(true_weights)
     return record
+
+
+def _route_from_record(record: Mapping[str, Any], measured: bool) -> LayerRoute:
+    """A layer record back as a LayerRoute, its meter counts recomputed from the record's fields."""
+    chosen = np.asarray(record["chosen"], dtype=np.int32)
+    filled = chosen >= 0
+    swapped = np.asarray(record["swapped"], dtype=bool) & filled
+    level = np.asarray(record["level"], dtype=np.int8)
+    true_topk = np.asarray(record["true_topk"], dtype=np.int32)
+    weights = np.asarray(record["weights"], dtype=np.float32)
+    raw_true = record.get("true_weights")
+    true_weights = None if raw_true is None else np.asarray(raw_true, dtype=np.float32)
+    kl = None
+    if measured and true_weights is not None:
+        kl = topk_kl(true_topk, true_weights, chosen, weights)
+    return LayerRoute(int(record["layer"]), chosen, weights, true_topk, true_weights, level, swapped,
+                      slots=int(filled.sum()), swaps=int(swapped.sum()), swaps_vram=int((swapped & (level == 2)).sum()),
+                      measured=measured, kl=kl, ram_hits=int(record.get("ram_hits", 0)),
+                      ram_misses=int(record.get("ram_misses", 0)), vram_served=int(record.get("vram_served", 0)))
+
+
+def event_from_record(record: Mapping[str, Any], measured: bool, gpu_tier: bool = False) -> TokenEvent:
+    """A token record back as the TokenEvent it was written from, for the meter fold.
+
+    ``measured``: whether the run had its routing meters on (the log's knobs
+    say so); ``gpu_tier``: whether the header says a GPU tier was attached.
+    """
+    return TokenEvent(
+        index=int(record["index"]), token_id=int(record.get("token", -1)), phase=str(record.get("phase", "")),
+        layers=[_route_from_record(layer, measured) for layer in record["layers"]],
+        timings_ms=dict(record.get("timings_ms") or {}), knob_seq=int(record.get("knob_seq", 0)),
+        gpu_tier=gpu_tier,
+    )
 
 
 def machine_info() -> dict[str, Any]:

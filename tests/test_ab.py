@@ -38,7 +38,7 @@ def test_rows_reproduce_the_seed_shape(ref):
     assert default["swap"] == 0.0 and default["ids_match"] == "12/12" and default["tf_nll"] == off["tf_nll"]
     # lowering J trades agreement for hits
     assert off["ram_hit"] < j1["ram_hit"] < j0["ram_hit"]
-    assert 1.0 > j1["agree"] > j0["agree"]
+    assert 1.0 > j1["route_agree"] > j0["route_agree"]
     assert j0["tf_nll"] > off["tf_nll"]
     assert all(len(r["tok_s"]) == 1 and r["tok_s"][0] > 0 for r in rows)
 

@@ -167,7 +167,7 @@ async def test_prompt_streams_tokens_into_the_chat(make_app):
         # the prompt's tokens, then one decode step per new token (the last one's step is optional)
         assert len(prompt_ids) + 3 <= app.watch.tokens_seen <= len(prompt_ids) + 4
         assert app.watch.history.latest["ram_hit"] > 0
-        assert app.watch.history.latest["oracle_hit"] == pytest.approx(app.engine.oracle_hit())  # fresh at the end
+        assert app.watch.history.latest["oracle_hit"] == pytest.approx(app.watch.oracle.hit_rate())  # fresh at the end
         # raw mode completes plain text and keeps it out of the chat messages
         await pilot.press("ctrl+t")
         assert chat.raw_mode
@@ -457,8 +457,8 @@ def snapshot_meters() -> MeterHistory:
     history = MeterHistory()
     for t in range(40):
         lever = t >= 20
-        history.add(t, {"ram_hit": 45.0 + t * (1.0 if lever else 0.2), "vram_hit": 0.0, "oracle_hit": 80.0,
-                        "swap": 10.6 if lever else 0.0, "swaps_to_vram": 0, "route_agree": 89.4 if lever else 100.0,
+        history.add(t, {"ram_hit": (45.0 + t * (1.0 if lever else 0.2)) / 100, "vram_hit": 0.0, "oracle_hit": 0.8,
+                        "swap": 0.106 if lever else 0.0, "swaps_to_vram": 0, "route_agree": 0.894 if lever else 1.0,
                         "route_kl": 1.85 if lever else 0.0, "tok_s": 12.0 + (t % 5), "fetch_ms": 2.5, "compute_ms": 40.0})
     history.mark(20, "CACHE_ROUTE=1")
     return history
@@ -611,7 +611,7 @@ async def test_the_lever_shows_swaps_in_the_heatmap_and_meters(make_app):
         app.refresh_views(force=True)
         heatmap = app.query_one(ExpertHeatmap)
         assert heatmap.data.swap_counts.sum() > 0
-        assert app.watch.history.latest["swap"] > 0 and app.watch.history.latest["route_agree"] < 100
+        assert app.watch.history.latest["swap"] > 0 and app.watch.history.latest["route_agree"] < 1
         heatmap.mode = "swaps"
         assert "swaps" in heatmap.render().plain.split("\n")[-2]
 

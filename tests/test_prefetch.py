@@ -48,7 +48,7 @@ def test_pilot_meters_and_hit_rate(oracle_models):
     assert m["prefetch_useful"] > 0
     # the hits prefetch bought are the difference between the two hit rates
     assert m["ram_hit"] - m["ram_hit_without_prefetch"] == pytest.approx(
-        100.0 * on.pilot.prefetch_hits / (m["ram_hits"] + m["ram_misses"]))
+        on.pilot.prefetch_hits / (m["ram_hits"] + m["ram_misses"]))
     on.close()
 
 

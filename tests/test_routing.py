@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierlab.engine.events import TokenEvent
 from tierlab.engine.knobs import KnobValues
+from tierlab.engine.meters import MeterFold, meters_json
 from tierlab.engine.routing import (
-    RouteMeters,
     Router,
     RoutingWarning,
     format_footer,
-    meters_json,
     prior_select,
     prior_select_numba,
     route_select,
@@ -318,7 +318,7 @@ def test_router_prior_lambda_zero_is_plain_topk():
     router = Router(n_layers=1, n_experts=E, top_k=4, norm_topk_prob=True)
     z = np.log(falling_probs())
     res = router.select(0, z, falling_probs(), levels(e9=2), knobs(CACHE_ROUTE=True, ROUTE_MODE="prior", ROUTE_LAMBDA=0.0))
-    assert res.idx.tolist() == [0, 1, 2, 3]
+    assert res.chosen.tolist() == [0, 1, 2, 3]
 
 
 # --- Router ------------------------------------------------------------------
@@ -328,19 +328,22 @@ def test_router_meters_only_returns_plain_topk():
     router = Router(n_layers=2, n_experts=E, top_k=4, norm_topk_prob=True)
     meters_only = knobs(CACHE_ROUTE=False, ROUTE_AGREE="1", ROUTE_J=0)
     probs = falling_probs()
+    fold = MeterFold()
     for layer in range(2):
         res = router.select(layer, np.log(probs), probs, levels(e7=2, e8=1), meters_only)
-        assert res.idx.tolist() == res.true_topk.tolist() == [0, 1, 2, 3]
+        assert res.chosen.tolist() == res.true_topk.tolist() == [0, 1, 2, 3]
         assert not res.swapped.any()
-    assert router.meters.route_agree == 100.0 and router.meters.route_kl == 0.0
-    assert router.meters.swap_pct == 0.0 and router.meters.slots == 8
+        fold.add(TokenEvent(0, 0, "decode", [res]))
+    meters = fold.summary()
+    assert meters["route_agree"] == 1.0 and meters["route_kl"] == 0.0
+    assert meters["swap"] == 0.0 and meters["slots"] == 8
 
 
 def test_router_result_fields_and_weights():
     probs = falling_probs()
     lever = knobs(CACHE_ROUTE=True, ROUTE_J=2, ROUTE_M=8, ROUTE_ALPHA=0.5)
     res = Router(1, E, 4, norm_topk_prob=True).select(0, None, probs, levels(e6=2), lever)
-    assert res.idx.dtype == np.int32 and res.idx.tolist() == [0, 1, 6, 2]
+    assert res.chosen.dtype == np.int32 and res.chosen.tolist() == [0, 1, 6, 2]
     assert res.swapped.tolist() == [False, False, True, False]
     assert res.level.tolist() == [0, 0, 2, 0] and res.level.dtype == np.int8
     assert res.true_topk.tolist() == [0, 1, 2, 3]
@@ -357,11 +360,11 @@ def test_router_cumprob_uses_mass_alone_and_falls_back_to_m_without_p():
     lv = levels(e14=1)
     # The mass window reaches rank 14 although M=4 would not.
     res = router.select(0, None, probs, lv, knobs(CACHE_ROUTE=True, ROUTE_MODE="cumprob", ROUTE_J=1, ROUTE_M=4, ROUTE_P=0.99))
-    assert res.idx.tolist() == [0, 14]
+    assert res.chosen.tolist() == [0, 14]
     res = router.select(0, None, probs, lv, knobs(CACHE_ROUTE=True, ROUTE_MODE="maxrank", ROUTE_J=1, ROUTE_M=4, ROUTE_P=0.99))
-    assert res.idx.tolist() == [0, 1]  # maxrank's ranking depth stops at max(M, 4K)=8
+    assert res.chosen.tolist() == [0, 1]  # maxrank's ranking depth stops at max(M, 4K)=8
     res = router.select(0, None, probs, lv, knobs(CACHE_ROUTE=True, ROUTE_MODE="cumprob", ROUTE_J=1, ROUTE_M=4, ROUTE_P=0.0))
-    assert res.idx.tolist() == [0, 1]
+    assert res.chosen.tolist() == [0, 1]
 
 
 def test_router_warns_once_when_fewer_eligible_than_k():
@@ -370,7 +373,7 @@ def test_router_warns_once_when_fewer_eligible_than_k():
     mask[[2, 5]] = True
     with pytest.warns(RoutingWarning, match="only 2 eligible"):
         res = router.select(0, None, falling_probs(), levels(), knobs(CACHE_ROUTE=True), mask=mask)
-    assert res.idx.tolist() == [2, 5, -1, -1]
+    assert res.chosen.tolist() == [2, 5, -1, -1]
     assert res.weights[2:].tolist() == [0.0, 0.0] and res.weights.sum() == pytest.approx(1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -379,17 +382,20 @@ def test_router_warns_once_when_fewer_eligible_than_k():
 
 def test_reset_meters():
     router = Router(1, E, 4, norm_topk_prob=True)
-    router.select(0, None, falling_probs(), levels(e6=1), knobs(CACHE_ROUTE=True, ROUTE_M=8))
-    assert router.meters.swaps == 1
-    router.reset_meters()
-    assert router.meters == RouteMeters()
+    fold = MeterFold()
+    fold.add(TokenEvent(0, 0, "decode", [router.select(0, None, falling_probs(), levels(e6=1),
+                                                        knobs(CACHE_ROUTE=True, ROUTE_M=8))]))
+    assert fold.swaps == 1
+    fold.reset()
+    assert fold == MeterFold()
 
 
 # --- footer -------------------------------------------------------------------
 
 
-def seed_meters() -> RouteMeters:
-    return RouteMeters(slots=1000, swaps=106, swaps_vram=40, agree_hit=894, agree_tot=1000, kl_sum=18.5, kl_count=10)
+def seed_meters() -> dict:
+    return MeterFold(decisions=10, slots=1000, swaps=106, swaps_vram=40, agree_hit=894, agree_tot=1000, kl_sum=18.5,
+                     kl_count=10).summary()
 
 
 def test_footer_has_the_seed_shape():
@@ -401,7 +407,7 @@ def test_footer_has_the_seed_shape():
 
 
 def test_footer_meters_only_and_off():
-    assert format_footer(knobs(ROUTE_AGREE="1"), RouteMeters()) == ["route_agree 100.0% | route_kl 0.00"]
+    assert format_footer(knobs(ROUTE_AGREE="1"), MeterFold().summary()) == ["route_agree 100.0% | route_kl 0.00"]
     assert format_footer(knobs(), seed_meters()) == []
     prior = format_footer(knobs(CACHE_ROUTE=True, ROUTE_MODE="prior", ROUTE_LAMBDA=0.3), seed_meters())
     assert prior[0].startswith("CACHE_ROUTE mode=prior lambda=0.3 J=2")
@@ -434,7 +440,7 @@ def test_router_agrees_with_the_reference_on_random_rows():
             else:
                 M = 24 if mode == "cumprob" and 0 < k.ROUTE_P < 1 else k.ROUTE_M
                 idx, val, _ = route_select(probs, mask, level, 4, k.ROUTE_J, M, k.ROUTE_P, k.ROUTE_ALPHA)
-            assert res.idx.tolist() == idx.tolist()
+            assert res.chosen.tolist() == idx.tolist()
             expected = val / val.sum() if norm else val
             np.testing.assert_allclose(res.weights, expected, rtol=1e-6)
             assert res.level.tolist() == level[idx].tolist()

@@ -15,8 +15,9 @@ import pytest
 from tierlab.app.lab.abtable import knob_label, render_markdown, render_text, summarise_log, summarise_logs
 from tierlab.app.lab.belady import belady_hits, lru_hits
 from tierlab.engine.errors import FormatError
-from tierlab.engine.events import LayerRoute, TokenEvent
+from tierlab.engine.events import TokenEvent
 from tierlab.engine.knobs import KnobChange, KnobValues
+from tierlab.engine.meters import MeterFold
 from tierlab.engine.routing import Router
 from tierlab.engine.sessionlog import (
     FORMAT_NAME,
@@ -36,12 +37,15 @@ MODEL = {"path": "fixtures/tiny", "arch": "qwen3_moe", "n_layers": N_LAYERS, "n_
 
 
 def simulate_run(path: Path, knobs: KnobValues, n_tokens: int = 40, with_true_weights: bool = True, seed: int = 0):
-    """A stand-in engine: per-layer LRU caches of RAM_SLOTS experts and a Router, logging every token."""
+    """A stand-in engine: per-layer LRU caches of RAM_SLOTS experts and a Router, logging every token.
+
+    Returns the events and the summary of a MeterFold fed with them (the live meters)."""
     rng = np.random.default_rng(seed)
     router = Router(N_LAYERS, N_EXPERTS, TOP_K, norm_topk_prob=True)
     caches = [OrderedDict() for _ in range(N_LAYERS)]
     skew = rng.normal(size=(N_LAYERS, N_EXPERTS)) * 1.5
     events = []
+    fold = MeterFold()
     with SessionLogWriter(path, model=MODEL, knobs=knobs, cache={"ram_slots": RAM_SLOTS}) as log:
         for t in range(n_tokens):
             layers = []
@@ -50,9 +54,9 @@ def simulate_run(path: Path, knobs: KnobValues, n_tokens: int = 40, with_true_we
                 probs = np.exp(logits - logits.max())
                 probs = (probs / probs.sum()).astype(np.float32)
                 level = np.array([1 if e in caches[layer] else 0 for e in range(N_EXPERTS)], dtype=np.int8)
-                res = router.select(layer, logits, probs, level, knobs)
+                route = router.select(layer, logits, probs, level, knobs)
                 hits = misses = 0
-                for e in res.idx:
+                for e in route.chosen:
                     cache = caches[layer]
                     if e in cache:
                         hits += 1
@@ -61,20 +65,22 @@ def simulate_run(path: Path, knobs: KnobValues, n_tokens: int = 40, with_true_we
                         misses += 1
                         cache[e] = True
                         while len(cache) > RAM_SLOTS:
-                            victim = next(v for v in cache if v not in res.idx)
+                            victim = next(v for v in cache if v not in route.chosen)
                             del cache[victim]
-                route = LayerRoute(layer, res.idx, res.weights, res.true_topk, res.level, res.swapped, hits, misses, 0)
-                if with_true_weights:
-                    route.true_weights = res.true_weights
+                route.ram_hits, route.ram_misses = hits, misses
+                if not with_true_weights:
+                    route.true_weights = None
                 layers.append(route)
             phase = "prefill" if t < 4 else "decode"
             event = TokenEvent(t, 100 + t, phase, layers, {"fetch": 2.0 + t % 3, "compute": 3.0, "total": 5.0 + t % 3})
             log.write_token(event)
+            fold.add(event)
             events.append(event)
             if t == 10:
                 log.write_knob_change(KnobChange(1, "ROUTE_M", 12, 12), t + 1)
-        log.write_summary({"route_kl": router.meters.route_kl, "ids_match": [7, 8], "tf_nll": 0.1288})
-    return events, router
+        meters = fold.summary()
+        log.write_summary({"route_kl": meters["route_kl"], "ids_match": [7, 8], "tf_nll": 0.1288})
+    return events, meters
 
 
 LEVER = dataclasses.replace(KnobValues(), CACHE_ROUTE=True, ROUTE_J=1, ROUTE_M=6)
@@ -187,16 +193,16 @@ def test_missing_file_is_a_format_error(tmp_path):
 
 def test_summarise_log_matches_the_run(tmp_path):
     path = tmp_path / "lever.jsonl"
-    events, router = simulate_run(path, LEVER)
+    events, meters = simulate_run(path, LEVER)
     row = summarise_log(path)
     routes = [r for e in events for r in e.layers]
     hits = sum(r.ram_hits for r in routes)
     misses = sum(r.ram_misses for r in routes)
     assert row["row"] == "CACHE_ROUTE=1 ROUTE_J=1 ROUTE_M=6"
     assert row["ram_hit"] == pytest.approx(hits / (hits + misses))
-    assert row["swap"] == pytest.approx(router.meters.swap_pct / 100)
-    assert row["agree"] == pytest.approx(router.meters.route_agree / 100)
-    assert row["kl"] == pytest.approx(router.meters.route_kl, rel=1e-4)
+    assert row["swap"] == pytest.approx(meters["swap"])
+    assert row["route_agree"] == pytest.approx(meters["route_agree"])
+    assert row["route_kl"] == pytest.approx(meters["route_kl"], rel=1e-4)
     assert row["vram_hit"] is None
     assert row["ids_match"] == "7/8" and row["tf_nll"] == 0.1288
     decode = [e for e in events if e.phase == "decode"]
@@ -212,8 +218,8 @@ def test_summarise_log_matches_the_run(tmp_path):
 
 def test_summarise_log_without_true_weights_takes_kl_from_the_summary(tmp_path):
     path = tmp_path / "old.jsonl"
-    _, router = simulate_run(path, LEVER, with_true_weights=False)
-    assert summarise_log(path)["kl"] == pytest.approx(router.meters.route_kl)
+    _, meters = simulate_run(path, LEVER, with_true_weights=False)
+    assert summarise_log(path)["route_kl"] == pytest.approx(meters["route_kl"])
 
 
 def test_summary_figures_may_sit_under_meters(tmp_path):
@@ -229,7 +235,7 @@ def test_lever_off_rows_show_no_routing_figures(tmp_path):
     simulate_run(path, OFF)
     row = summarise_log(path)
     assert row["row"] == "lever off"
-    assert row["swap"] is None and row["agree"] is None and row["kl"] is None
+    assert row["swap"] is None and row["route_agree"] is None and row["route_kl"] is None
     assert row["ram_hit"] is not None
 
 
@@ -249,8 +255,8 @@ def test_render_text_and_markdown():
     rows = [
         {"row": "lever off", "tok_s": 4.6, "fetch_ms": 26.3, "compute_ms": 28.0, "ram_hit": 0.768,
          "ids_match": "128/128", "tf_nll": 0.1288},
-        {"row": "CACHE_ROUTE=1", "tok_s": [4.8, 4.9, 5.0], "ram_hit": 0.853, "swap": 0.106, "agree": 0.894,
-         "kl": 1.85, "ids_match": "54/128", "tf_nll": 0.1606},
+        {"row": "CACHE_ROUTE=1", "tok_s": [4.8, 4.9, 5.0], "ram_hit": 0.853, "swap": 0.106, "route_agree": 0.894,
+         "route_kl": 1.85, "ids_match": "54/128", "tf_nll": 0.1606},
     ]
     text = render_text(rows).splitlines()
     assert text[0].split("  ")[0].strip() == "row"

@@ -331,8 +331,8 @@ async def test_meters_show_values_sparklines_and_plot_marks():
     app = MetersApp()
     history = MeterHistory()
     for token in range(30):
-        history.add(token, {"ram_hit": 100 * token / 30, "vram_hit": 0.0, "oracle_hit": 90.0, "swap": 10.0,
-                            "swaps_to_vram": 3, "route_agree": 89.4, "route_kl": 1.85, "tok_s": 12.5, "fetch_ms": 3.25, "compute_ms": 40.0})
+        history.add(token, {"ram_hit": token / 30, "vram_hit": 0.0, "oracle_hit": 0.9, "swap": 0.1,
+                            "swaps_to_vram": 3, "route_agree": 0.894, "route_kl": 1.85, "tok_s": 12.5, "fetch_ms": 3.25, "compute_ms": 40.0})
     history.mark(10, "ROUTE_J=1")
     async with app.run_test(size=(80, 30)) as pilot:
         app.query_one(MetersPanel).show(history)

@@ -3,47 +3,31 @@
 Each meter shows its current value and a sparkline of its recent past; a
 plot below draws hit rate and speed over tokens with a vertical mark at
 every knob change, so the effect of a change is visible where it happened.
+Meter values arrive as the meter fold gives them (rates as fractions, None
+without samples); percent appears only as they are drawn.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline, Static
 from textual_plotext import PlotextPlot
 
+from tierlab.engine.meters import METER_BY_KEY, Meter, select
+
 HISTORY = 400
 """Tokens of history kept for sparklines and the plot."""
 
 
-def percent(value: float) -> str:
-    """Rates arrive in percent, as the engine's meters() gives them."""
-    return f"{value:5.1f}%"
-
-
-@dataclass(frozen=True)
-class MeterSpec:
-    key: str
-    label: str
-    fmt: Callable[[float], str]
-    help: str
-
-
-METERS: tuple[MeterSpec, ...] = (
-    MeterSpec("ram_hit", "RAM hit", percent, "experts found in the RAM cache"),
-    MeterSpec("vram_hit", "VRAM hit", percent, "experts served by the GPU tier"),
-    MeterSpec("oracle_hit", "oracle hit", percent, "hit rate of an optimal (Belady) cache on the same requests"),
-    MeterSpec("swap", "swap", percent, "chosen slots filled by a resident substitute"),
-    MeterSpec("route_agree", "agree", percent, "overlap of chosen experts with the true top-K"),
-    MeterSpec("route_kl", "KL", lambda v: f"{v:6.3f}", "KL(true top-K || chosen), nats"),
-    MeterSpec("tok_s", "tok/s", lambda v: f"{v:6.1f}", "tokens per second"),
-    MeterSpec("fetch_ms", "fetch ms", lambda v: f"{v:6.2f}", "expert fetch time per token"),
-    MeterSpec("compute_ms", "compute ms", lambda v: f"{v:6.2f}", "compute time per token"),
+METERS: tuple[Meter, ...] = select(
+    ("ram_hit", "vram_hit", "oracle_hit", "swap", "route_agree", "route_kl", "tok_s", "fetch_ms", "compute_ms")
 )
+"""The panel's rows, from the one meter catalogue (engine/meters.py)."""
 
 
 @dataclass
@@ -56,21 +40,36 @@ class KnobMark:
 
 @dataclass
 class MeterHistory:
-    """Meter values per token, plus where knobs changed."""
+    """Meter values per token, plus where knobs changed.
+
+    ``latest`` holds the last values as given (fractions, None = no samples);
+    ``series`` the drawn history in the unit shown (percent for rates, 0 where missing).
+    """
 
     limit: int = HISTORY
     tokens: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     series: dict[str, deque] = field(default_factory=dict)
-    latest: dict[str, float] = field(default_factory=dict)
+    latest: dict[str, float | None] = field(default_factory=dict)
     marks: list[KnobMark] = field(default_factory=list)
 
     def add(self, token: int, meters: Mapping[str, float]) -> None:
         """Record one token's meters."""
         self.tokens.append(token)
         for spec in METERS:
-            value = float(meters.get(spec.key, 0.0) or 0.0)
-            self.series.setdefault(spec.key, deque(maxlen=self.limit)).append(value)
-        self.latest = {key: float(value) for key, value in meters.items() if isinstance(value, (int, float))}
+            value = meters.get(spec.key)
+            shown = spec.scaled(float(value)) if value is not None else 0.0
+            self.series.setdefault(spec.key, deque(maxlen=self.limit)).append(shown)
+        self.latest = {key: None if value is None else float(value) for key, value in meters.items()
+                       if value is None or isinstance(value, (int, float))}
+
+    def replace_latest(self, key: str, value: float | None) -> None:
+        """Correct one meter of the latest token (a figure computed after the token was recorded)."""
+        if not self.latest:
+            return
+        self.latest[key] = value
+        series = self.series.get(key)
+        if series:
+            series[-1] = METER_BY_KEY[key].scaled(float(value)) if value is not None else 0.0
 
     def mark(self, token: int, label: str) -> None:
         """Remember a knob change at `token`."""
@@ -106,7 +105,7 @@ class MeterRow(Horizontal):
     MeterRow > Sparkline { width: 1fr; height: 1; }
     """
 
-    def __init__(self, spec: MeterSpec) -> None:
+    def __init__(self, spec: Meter) -> None:
         super().__init__(id=f"meter-{spec.key}")
         self.spec = spec
         self.tooltip = spec.help
@@ -119,8 +118,8 @@ class MeterRow(Horizontal):
     def show(self, latest: Mapping[str, float], history: Iterable[float] | None) -> None:
         """Show the latest value, and the sparkline of `history` unless it is None (left as it is)."""
         value = latest.get(self.spec.key)
-        text = "    –" if value is None else self.spec.fmt(value)
-        if self.spec.key == "swap" and "swaps_to_vram" in latest:
+        text = "    –" if value is None else self.spec.show(value, "panel")
+        if self.spec.key == "swap" and latest.get("swaps_to_vram") is not None:
             text = f"{text} {int(latest['swaps_to_vram'])}→V"
         shown = self.query_one(".meter--value", Static)
         if text != str(shown.content):  # the value has a fixed width: repaint it, no layout

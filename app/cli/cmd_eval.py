@@ -6,6 +6,7 @@ import json
 
 from tierlab.app.cli.engine_options import add_model_args, open_engine, print_notices
 from tierlab.app.lab.evaluate import format_report, read_ref, run_eval
+from tierlab.engine.meters import meters_json
 from tierlab.engine.session import EngineLog
 
 
@@ -33,7 +34,7 @@ def run(args) -> int:
     engine.close()
     print_notices(engine)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(meters_json(result)))
     else:
         print("\n".join(format_report(engine, result)))
     return 0 if result["matching"] == result["total"] else 1

@@ -7,6 +7,8 @@ import sys
 
 from tierlab.app.cli.engine_options import add_model_args, open_engine, print_notices
 from tierlab.engine.errors import ModelError
+from tierlab.engine.meters import METER_BY_KEY, meters_json
+from tierlab.engine.routing import format_footer
 from tierlab.engine.session import EngineLog
 
 
@@ -52,13 +54,13 @@ def run(args) -> int:
     engine.close()
     print_notices(engine)
     if args.json:
-        print(json.dumps({"prompt_ids": prompt_ids, "ids": out_ids, "text": tok.decode(out_ids), **meters}))
+        print(json.dumps({"prompt_ids": prompt_ids, "ids": out_ids, "text": tok.decode(out_ids),
+                          **meters_json(meters)}))
     else:
         sys.stdout.write(tok.decode(out_ids)[len(printed):] + "\n")
-        from tierlab.engine.routing import format_footer
-
-        footer = [f"Expert cache hit rate: {meters['ram_hit']:.1f}% (hit={meters['ram_hits']} miss={meters['ram_misses']})",
-                  *format_footer(engine.knobs.snapshot(), engine.router.meters),
-                  f"{meters['tok_s']:.1f} tok/s"]
+        footer = [f"Expert cache hit rate: {METER_BY_KEY['ram_hit'].show(meters['ram_hit'])} "
+                  f"(hit={meters['ram_hits']} miss={meters['ram_misses']})",
+                  *format_footer(engine.knobs.snapshot(), meters),
+                  f"{METER_BY_KEY['tok_s'].show(meters['tok_s'], 'panel').strip()} tok/s"]
         print("\n".join(footer), file=sys.stderr)
     return 0

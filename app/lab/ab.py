@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from tierlab.engine.errors import TierlabError
-from tierlab.app.lab.evaluate import greedy_decode, teacher_forced_nll
+from tierlab.app.lab.evaluate import greedy_decode, teacher_forced_run
 from tierlab.engine.knobs import SPEC_BY_NAME, Knobs, KnobValues
 from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
@@ -37,7 +37,7 @@ class RowSpec:
 @dataclass
 class RowResult:
     spec: RowSpec
-    meters: dict = field(default_factory=dict)
+    meters: dict = field(default_factory=dict)  # the generation's (RunMeters.summary: rates as fractions)
     tok_s: list[float] = field(default_factory=list)
     fetch_ms: list[float] = field(default_factory=list)
     compute_ms: list[float] = field(default_factory=list)
@@ -55,12 +55,12 @@ class RowResult:
         return {
             "row": self.spec.label,
             "tok_s": self.tok_s, "fetch_ms": self.fetch_ms, "compute_ms": self.compute_ms,
-            "ram_hit": m["ram_hit"] / 100.0,
-            "vram_hit": m["vram_hit"] / 100.0 if m.get("gpu_tier") else None,
-            "oracle_hit": m["oracle_hit"] / 100.0,
-            "swap": m["swap"] / 100.0 if lever else None,
-            "agree": m["route_agree"] / 100.0 if meters_on else None,
-            "kl": m["route_kl"] if meters_on else None,
+            "ram_hit": m["ram_hit"],
+            "vram_hit": m["vram_hit"],
+            "oracle_hit": m["oracle_hit"],
+            "swap": m["swap"] if lever else None,
+            "route_agree": m["route_agree"] if meters_on else None,
+            "route_kl": m["route_kl"] if meters_on else None,
             "ids_match": f"{self.matching}/{self.total}",
             "tf_nll": self.tf_nll,
         }
@@ -93,15 +93,11 @@ def _open(model_dir: Path, settings: tuple[tuple[str, str], ...]):
     return EngineOptions(model_dir, cache, tier, knobs_from_env=False).open(with_tokenizer=False)
 
 
-def _run_once(engine, spec: RowSpec, prompt, full) -> tuple[dict, list[int], dict]:
+def _run_once(engine, spec: RowSpec, prompt, full) -> tuple[dict, list[int]]:
     engine.knobs = Knobs(spec.knobs)
     engine.cold_start()
-    generated, decode = greedy_decode(engine, prompt, len(full) - len(prompt))
-    from tierlab.app.lab.evaluate import collect_meters
-
-    meters = collect_meters(engine, decode)
-    meters["gpu_tier"] = engine.tier is not None
-    return meters, generated, decode
+    generated, meters = greedy_decode(engine, prompt, len(full) - len(prompt))
+    return meters, generated
 
 
 def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts: list[str], repeat: int = 3,
@@ -118,14 +114,14 @@ def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts:
         reference = full[len(prompt):]
         for res in results:  # warm-up: discarded timings, kept routing meters
             progress(f"warm-up: {res.spec.label}")
-            meters, generated, _ = _run_once(engines[res.spec.engine], res.spec, prompt, full)
+            meters, generated = _run_once(engines[res.spec.engine], res.spec, prompt, full)
             res.meters = meters
             res.total = len(reference)
             res.matching = sum(int(a == b) for a, b in zip(generated, reference))
         for r in range(repeat):
             for res in results:
                 progress(f"round {r + 1}/{repeat}: {res.spec.label}")
-                meters, _, _ = _run_once(engines[res.spec.engine], res.spec, prompt, full)
+                meters, _ = _run_once(engines[res.spec.engine], res.spec, prompt, full)
                 res.tok_s.append(meters["tok_s"])
                 res.fetch_ms.append(meters["fetch_ms"])
                 res.compute_ms.append(meters["compute_ms"])
@@ -135,9 +131,7 @@ def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts:
                 engine = engines[res.spec.engine]
                 engine.knobs = Knobs(res.spec.knobs)
                 engine.cold_start()
-                res.tf_nll, _ = teacher_forced_nll(engine, prompt, full)
-                res.tf_meters = {**engine.meters(), "oracle_hit": engine.oracle_hit(),
-                                 "gpu_tier": engine.tier is not None}
+                res.tf_nll, res.tf_meters = teacher_forced_run(engine, prompt, full)
         return results
     finally:
         for engine in engines.values():

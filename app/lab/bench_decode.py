@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tierlab.engine.meters import meters_json
 from tierlab.engine.model import TIMER_NAMES, Engine
 from tierlab.engine.qlinear import QuantMatrix, RowStack
 
@@ -123,7 +124,7 @@ def run_decode_bench(engine: Engine, prompt_tokens: int = 32, decode_tokens: int
         model=str(engine.model_dir), kind=engine.cache.source.kind, cache_slots=engine.cache.slots,
         n_experts=engine.config.n_experts, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
         prefill_tok_s=prompt_tokens / prefill_s, decode_tok_s=decode_tokens / decode_s, ms_per_token=ms,
-        ram_hit=engine.meters()["ram_hit"],
+        ram_hit=meters_json(engine.meters())["ram_hit"] or 0.0,
         disk_mb_per_token=misses * engine.cache.source.blob_nbytes / decode_tokens / 2**20,
         weight_bytes=wb, bandwidth_gbs=bandwidth_gbs, roofline_tok_s=bandwidth_gbs * 1e9 / wb["total"],
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, cold=dropped,

@@ -3,8 +3,9 @@
 A reference file is `{"prompt_ids": [...], "full_ids": [...]}`. `run_eval`
 greedy-decodes the continuation and counts position-by-position matches,
 optionally teacher-forces the reference to get its NLL, and gathers every
-meter (cache, Belady bound, routing lever, GPU tier, timings) into one dict
-that `tierlab eval --json`, `tierlab ab` and the app all read.
+meter of the run (cache, Belady bound, routing lever, GPU tier, timings)
+from the run's own events (`RunMeters`) into the dict `tierlab eval --json`
+prints.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tierlab.app.lab.oracle import OracleBand
 from tierlab.engine.errors import FormatError
+from tierlab.engine.meters import METER_BY_KEY, MeterFold
 from tierlab.engine.model import TIMER_NAMES, Engine
+from tierlab.engine.routing import format_footer
 
 
 def read_ref(path: str | Path) -> tuple[list[int], list[int]]:
@@ -45,20 +49,50 @@ def log_softmax_nll(logits: np.ndarray, target: int) -> float:
     return float(m + math.log(np.exp(z - m).sum()) - z[target])
 
 
+class RunMeters:
+    """A run's own meters: a fold of its events (timings of decode tokens only) and its requests for the oracle.
+
+    Subscribes to the engine on creation; `close` unsubscribes. Both hold
+    this run's tokens only, however long the engine has been running.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.fold = MeterFold(timing_phase="decode")
+        self.oracle = OracleBand(window=None)
+        engine.subscribe(self._on_token)
+
+    def _on_token(self, event) -> None:
+        self.fold.add(event)
+        self.oracle.add(event)
+
+    def close(self) -> None:
+        self.engine.unsubscribe(self._on_token)
+
+    def summary(self) -> dict:
+        """The fold's summary plus the run's Belady bound (fractions), decode tokens and ms per timer."""
+        out = self.fold.summary()
+        out["oracle_hit"] = self.oracle.hit_rate()
+        out["decode_tokens"] = self.fold.timed_tokens
+        out["ms_per_token"] = {k: out["ms_per_token"].get(k, 0.0) for k in TIMER_NAMES}
+        out["cache_slots"] = self.oracle.slots
+        return out
+
+
 def greedy_decode(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], dict]:
-    """Greedy continuation of n tokens; also returns decode-only timers."""
-    logits = engine.prefill(prompt)
-    before = dict(engine.timers)
-    tokens_before = engine.tokens_timed
-    out = []
-    for i in range(n):
-        token = int(np.argmax(logits))
-        out.append(token)
-        if i + 1 < n:
-            logits = engine.step(token)
-    decode = {k: engine.timers.get(k, 0.0) - before.get(k, 0.0) for k in (*TIMER_NAMES, "total")}
-    decode["tokens"] = engine.tokens_timed - tokens_before
-    return out, decode
+    """Greedy continuation of n tokens; also returns the run's meters (RunMeters.summary)."""
+    run = RunMeters(engine)
+    try:
+        logits = engine.prefill(prompt)
+        out = []
+        for i in range(n):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if i + 1 < n:
+                logits = engine.step(token)
+    finally:
+        run.close()
+    return out, run.summary()
 
 
 def teacher_forced_nll(engine: Engine, prompt: list[int], full: list[int]) -> tuple[float, int]:
@@ -74,25 +108,34 @@ def teacher_forced_nll(engine: Engine, prompt: list[int], full: list[int]) -> tu
     return total / max(n, 1), n
 
 
+def teacher_forced_run(engine: Engine, prompt: list[int], full: list[int]) -> tuple[float, dict]:
+    """Teacher-forced NLL of a reference and the meters of that run (RunMeters.summary)."""
+    run = RunMeters(engine)
+    try:
+        nll, _ = teacher_forced_nll(engine, prompt, full)
+    finally:
+        run.close()
+    return nll, run.summary()
+
+
 def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = False,
              on_generated=None) -> dict:
     """One evaluation run: matching, optional TF-NLL, and every meter.
 
-    `on_generated()` is called after the generation, before teacher forcing
-    (a session log stops recording there)."""
+    Meters as RunMeters.summary gives them (rates as fractions; `tierlab eval
+    --json` writes them through meters_json). `on_generated()` is called after
+    the generation, before teacher forcing (a session log stops recording there)."""
     engine.reset_meters()
     n = len(full) - len(prompt)
     t0 = time.perf_counter()
-    generated, decode = greedy_decode(engine, prompt, n)
+    generated, meters = greedy_decode(engine, prompt, n)
     wall = time.perf_counter() - t0
     reference = full[len(prompt):]
     matching = sum(int(a == b) for a, b in zip(generated, reference))
     result = {"matching": matching, "total": n, "generated": generated}
-    result.update(collect_meters(engine, decode))
+    result.update(meters)
     result["wall_s"] = wall
-    from tierlab.engine.routing import format_footer
-
-    result["route_footer"] = format_footer(engine.knobs.snapshot(), engine.router.meters)
+    result["route_footer"] = format_footer(engine.knobs.snapshot(), meters)
     if on_generated is not None:
         on_generated()
     if ppl:
@@ -108,37 +151,26 @@ def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = Fal
     return result
 
 
-def collect_meters(engine: Engine, decode: dict) -> dict:
-    meters = engine.meters()
-    tokens = max(int(decode.get("tokens", 0)), 1)
-    ms = {k: 1000.0 * decode.get(k, 0.0) / tokens for k in TIMER_NAMES}
-    out = dict(meters)
-    out["tok_s"] = tokens / decode["total"] if decode.get("total") else 0.0
-    out["fetch_ms"] = ms["fetch"]
-    out["compute_ms"] = ms["compute"]
-    out["ms_per_token"] = ms
-    out["decode_tokens"] = int(decode.get("tokens", 0))
-    out["cache_slots"] = engine.cache.slots
-    out["oracle_hit"] = engine.oracle_hit()
-    return out
-
-
 def format_report(engine: Engine, result: dict) -> list[str]:
-    """The seed's footer lines, in its order."""
+    """The seed's footer lines, in its order (`result` as run_eval returns it)."""
     lines = [f"Matching tokens: {result['matching']}/{result['total']}"]
     if result.get("tf_nll") is not None:
         lines.append(f"TF-NLL: {result['tf_nll']:.4f} nats/token over {result['tf_tokens']} tokens | ppl = {result['ppl']:.4f}")
     lines.append(
-        f"Expert cache hit rate: {result['ram_hit']:.1f}% (hit={result['ram_hits']} miss={result['ram_misses']}) "
-        f"| Belady bound {result['oracle_hit']:.1f}% at {result['cache_slots']} slots/layer"
+        f"Expert cache hit rate: {_show(result, 'ram_hit')} (hit={result['ram_hits']} miss={result['ram_misses']}) "
+        f"| Belady bound {_show(result, 'oracle_hit')} at {result['cache_slots']} slots/layer"
     )
     if engine.tier is not None:
-        lines.append(f"VRAM hit rate: {result['vram_hit']:.1f}% ({result.get('tier_residents', 0)} experts resident)")
+        lines.append(f"VRAM hit rate: {_show(result, 'vram_hit')} ({result.get('tier_residents', 0)} experts resident)")
     lines.extend(result["route_footer"])
     ms = result["ms_per_token"]
     lines.append(
-        f"decode {result['tok_s']:.2f} tok/s | ms/token: fetch {ms['fetch']:.2f} compute {ms['compute']:.2f} "
+        f"decode {_show(result, 'tok_s')} tok/s | ms/token: fetch {ms['fetch']:.2f} compute {ms['compute']:.2f} "
         f"attention {ms['attention']:.2f} deltanet {ms['deltanet']:.2f} router {ms['router']:.2f} "
         f"shared {ms['shared']:.2f} tier {ms['tier']:.2f} lm_head {ms['lm_head']:.2f} other {ms['other']:.2f}"
     )
     return lines
+
+
+def _show(result: dict, key: str) -> str:
+    return METER_BY_KEY[key].show(result[key])

@@ -2,19 +2,22 @@
 
 The engine calls its listeners from its own thread after every token; the
 UI redraws at its own pace (a few times a second). This object sits between
-the two: the listener only updates a few arrays under a lock, and the UI
-copies them out when it is ready to draw.
+the two: the listener only folds the event into its own meters and a few
+arrays under a lock (it never calls back into the engine), and the UI copies
+them out when it is ready to draw. The Belady bound comes from an
+`OracleBand` over the last `WINDOW` tokens, replayed on the band's own thread.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 
+from tierlab.app.lab.oracle import OracleBand
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.knobs import KnobChange
+from tierlab.engine.meters import MeterFold
 from tierlab.widgets.heatmap import HeatmapData
 from tierlab.widgets.meters import MeterHistory
 
@@ -47,14 +50,14 @@ class EngineWatch:
         self.swap_counts = np.zeros(shape, np.int64)
         self.chosen = np.zeros(shape, bool)
         self.swapped = np.zeros(shape, bool)
-        self.layer_hits = np.zeros(self.n_layers, np.int64)
-        self.layer_misses = np.zeros(self.n_layers, np.int64)
+        self.fold = MeterFold()
+        """The meters of every token watched (the app's figures)."""
+        self.oracle = OracleBand(interval=ORACLE_INTERVAL)
         self.history = MeterHistory()
         self.last_event: TokenEvent | None = None
         self.meter_errors = 0
-        self._oracle = 0.0
-        self._oracle_at = 0.0
         self._closed = False
+        self.oracle.start()
         engine.subscribe(self._on_token)
         engine.knobs.subscribe(self._on_knob)
 
@@ -65,15 +68,17 @@ class EngineWatch:
             return
         chosen = np.zeros_like(self.chosen)
         swapped = np.zeros_like(self.swapped)
-        try:
-            meters = dict(self.engine.meters())
-            meters.setdefault("oracle_hit", self._oracle_hit())
-        except Exception:  # a meter that fails must not stop generation
-            self.meter_errors += 1
-            meters = {}
+        self.oracle.add(event)
         with self.lock:
             token = self.tokens_seen
             self.tokens_seen += 1
+            try:
+                self.fold.add(event)
+                meters = self.fold.summary()
+                meters["oracle_hit"] = self.oracle.latest
+            except Exception:  # a meter that fails must not stop generation
+                self.meter_errors += 1
+                meters = {}
             for route in event.layers:
                 ids = np.asarray(route.chosen)
                 used = ids >= 0
@@ -82,35 +87,16 @@ class EngineWatch:
                 subs = ids[used & np.asarray(route.swapped, bool)]
                 swapped[route.layer, subs] = True
                 self.swap_counts[route.layer, subs] += 1
-                self.layer_hits[route.layer] += route.ram_hits
-                self.layer_misses[route.layer] += route.ram_misses
             self.chosen = chosen
             self.swapped = swapped
             self.last_event = event
             self.history.add(token, meters)
 
-    def _oracle_hit(self) -> float:
-        """The Belady bound replays every request so far, so it is refreshed at most once a second."""
-        oracle = getattr(self.engine, "oracle_hit", None)
-        now = time.monotonic()
-        if oracle is not None and now - self._oracle_at >= ORACLE_INTERVAL:
-            self._oracle_at = now
-            self._oracle = float(oracle())
-        return self._oracle
-
     def refresh_oracle(self) -> None:
         """Bring the oracle up to date now (when a reply ends), so the last figure is not a second old."""
-        oracle = getattr(self.engine, "oracle_hit", None)
-        if oracle is None:
-            return
-        value = float(oracle())
+        value = self.oracle.refresh()
         with self.lock:
-            self._oracle, self._oracle_at = value, time.monotonic()
-            series = self.history.series.get("oracle_hit")
-            if series:
-                series[-1] = value
-            if self.history.latest:
-                self.history.latest["oracle_hit"] = value
+            self.history.replace_latest("oracle_hit", value)
 
     def _on_knob(self, change: KnobChange) -> None:
         self.mark(f"{change.name}={format_knob_value(change.new)}")
@@ -144,9 +130,11 @@ class EngineWatch:
 
     def layer_hit_percent(self) -> np.ndarray:
         """RAM hit rate of each layer over the tokens watched, in percent (NaN where nothing was requested)."""
-        requests = self.layer_hits + self.layer_misses
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(requests > 0, 100.0 * self.layer_hits / np.maximum(requests, 1), np.nan)
+        shown = np.full(self.n_layers, np.nan)
+        for layer, rate in enumerate(self.fold.layer_hit_rates()[: self.n_layers]):
+            if rate is not None:
+                shown[layer] = 100.0 * rate
+        return shown
 
     def meter_history(self) -> MeterHistory:
         """A copy of the meter history that the engine thread cannot change under the reader."""
@@ -154,19 +142,20 @@ class EngineWatch:
             return self.history.copy()
 
     def clear_history(self) -> None:
-        """Forget the per-token pictures (the engine's own counters are its business)."""
+        """Forget the per-token pictures and start the watch's meters and oracle window afresh."""
         with self.lock:
             self.history.clear()
+            self.fold.reset()
             self.last_use[:] = -1
             self.swap_counts[:] = 0
-            self.layer_hits[:] = 0
-            self.layer_misses[:] = 0
             self.chosen[:] = False
             self.swapped[:] = False
+        self.oracle.clear()
 
     def close(self) -> None:
         """Stop listening to the engine."""
         self._closed = True
+        self.oracle.close()
         unsubscribe = getattr(self.engine, "unsubscribe", None)
         if unsubscribe is not None:
             unsubscribe(self._on_token)
