@@ -100,7 +100,7 @@ def _run_once(engine, spec: RowSpec, prompt, full) -> tuple[dict, list[int], dic
     from tierlab.app.lab.evaluate import collect_meters
 
     meters = collect_meters(engine, decode)
-    meters["gpu_tier"] = engine.tier is not None
+    meters["gpu_tier"] = engine.tier_description() is not None
     return meters, generated, decode
 
 
@@ -137,7 +137,7 @@ def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts:
                 engine.cold_start()
                 res.tf_nll, _ = teacher_forced_nll(engine, prompt, full)
                 res.tf_meters = {**engine.meters(), "oracle_hit": engine.oracle_hit(),
-                                 "gpu_tier": engine.tier is not None}
+                                 "gpu_tier": engine.tier_description() is not None}
         return results
     finally:
         for engine in engines.values():

@@ -118,7 +118,7 @@ def collect_meters(engine: Engine, decode: dict) -> dict:
     out["compute_ms"] = ms["compute"]
     out["ms_per_token"] = ms
     out["decode_tokens"] = int(decode.get("tokens", 0))
-    out["cache_slots"] = engine.cache.slots
+    out["cache_slots"] = engine.cache_slots()
     out["oracle_hit"] = engine.oracle_hit()
     return out
 
@@ -132,7 +132,7 @@ def format_report(engine: Engine, result: dict) -> list[str]:
         f"Expert cache hit rate: {result['ram_hit']:.1f}% (hit={result['ram_hits']} miss={result['ram_misses']}) "
         f"| Belady bound {result['oracle_hit']:.1f}% at {result['cache_slots']} slots/layer"
     )
-    if engine.tier is not None:
+    if engine.tier_description() is not None:
         lines.append(f"VRAM hit rate: {result['vram_hit']:.1f}% ({result.get('tier_residents', 0)} experts resident)")
     lines.extend(result["route_footer"])
     ms = result["ms_per_token"]

@@ -15,6 +15,7 @@ import numpy as np
 
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.knobs import KnobChange
+from tierlab.engine.surface import EngineSurface
 from tierlab.widgets.heatmap import HeatmapData
 from tierlab.widgets.meters import MeterHistory
 
@@ -34,7 +35,7 @@ def format_knob_value(value: object) -> str:
 class EngineWatch:
     """Collects routing, residency and meters from an engine for the app to draw."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: EngineSurface) -> None:
         self.engine = engine
         config = engine.config
         self.n_layers = int(config.n_layers)
@@ -91,19 +92,15 @@ class EngineWatch:
 
     def _oracle_hit(self) -> float:
         """The Belady bound replays every request so far, so it is refreshed at most once a second."""
-        oracle = getattr(self.engine, "oracle_hit", None)
         now = time.monotonic()
-        if oracle is not None and now - self._oracle_at >= ORACLE_INTERVAL:
+        if now - self._oracle_at >= ORACLE_INTERVAL:
             self._oracle_at = now
-            self._oracle = float(oracle())
+            self._oracle = float(self.engine.oracle_hit())
         return self._oracle
 
     def refresh_oracle(self) -> None:
         """Bring the oracle up to date now (when a reply ends), so the last figure is not a second old."""
-        oracle = getattr(self.engine, "oracle_hit", None)
-        if oracle is None:
-            return
-        value = float(oracle())
+        value = float(self.engine.oracle_hit())
         with self.lock:
             self._oracle, self._oracle_at = value, time.monotonic()
             series = self.history.series.get("oracle_hit")
@@ -167,7 +164,5 @@ class EngineWatch:
     def close(self) -> None:
         """Stop listening to the engine."""
         self._closed = True
-        unsubscribe = getattr(self.engine, "unsubscribe", None)
-        if unsubscribe is not None:
-            unsubscribe(self._on_token)
+        self.engine.unsubscribe(self._on_token)
         self.engine.knobs.unsubscribe(self._on_knob)
