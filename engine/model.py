@@ -267,13 +267,13 @@ class Engine:
     # -- meters ----------------------------------------------------------------------
     def meters(self) -> dict:
         """Current meter values: rates in percent, times in ms per token (all tokens so far)."""
-        store = self.store.stats()
+        stats = self.store.stats()
         slots_total = sum(len(r) for r in self.requests) * self.config.top_k
         n = max(self.tokens_timed, 1)
         out = {
-            "ram_hit": 100.0 * store.hit_rate,
-            "ram_hits": store.ram_hits,
-            "ram_misses": store.ram_misses,
+            "ram_hit": 100.0 * stats.hit_rate,
+            "ram_hits": stats.ram_hits,
+            "ram_misses": stats.ram_misses,
             "vram_hit": 100.0 * self.vram_served / slots_total if slots_total else 0.0,
             "vram_served": int(self.vram_served),
             "tok_s": self.tokens_timed / self.timers["total"] if self.timers["total"] else 0.0,
@@ -284,9 +284,9 @@ class Engine:
             from tierlab.engine.routing import meters_json
 
             out.update(meters_json(self.router.meters))
-        if store.tier_on:
-            out.update(tier_residents=store.tier_residents, tier_uploads=store.tier_uploads,
-                       tier_bytes=store.tier_bytes)
+        if stats.tier_on:
+            out.update(tier_residents=stats.tier_residents, tier_uploads=stats.tier_uploads,
+                       tier_bytes=stats.tier_bytes)
         if self.pilot is not None:
             pm = self.pilot.meters()
             out.update(pm)
