@@ -91,12 +91,11 @@ def read_store_counters(engine) -> dict[str, int]:
     The one place meter code reads counters the engine's parts keep; the
     engine calls it once per pass and the pass's events carry the result.
     """
-    cache = engine.cache
-    out = {"ram_slots": int(cache.slots), "bytes_read": int(cache.bytes_read)}
-    tier = engine.tier
-    if tier is not None:
-        out.update(tier_residents=int(tier.stats.residents), tier_uploads=int(tier.stats.uploads),
-                   tier_bytes=int(tier.stats.bytes))
+    stats = engine.store_stats()
+    out = {"ram_slots": int(stats.slots), "bytes_read": int(stats.bytes_read)}
+    if stats.tier_on:
+        out.update(tier_residents=int(stats.tier_residents), tier_uploads=int(stats.tier_uploads),
+                   tier_bytes=int(stats.tier_bytes))
     pilot = engine.pilot
     if pilot is not None:
         out.update(pilot.meters())

@@ -2,8 +2,9 @@
 
 `load_engine(dir)` accepts a Hugging Face folder (config.json + safetensors
 + tokenizer) or a tierlab quantised container. Dense weights are loaded up
-front; experts never are: they stream through the RAM cache (and the GPU
-tier when one is attached) as the router asks for them.
+front; experts never are: the expert store (`expert_store`) streams them
+through its RAM cache (and the GPU tier when one is attached) as the router
+asks for them, and computes each where it lives.
 
 One forward pass takes T >= 1 new tokens: a prompt uses matrix-matrix work
 for the projections, decode is T = 1. After each pass the engine publishes
@@ -20,20 +21,22 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from tierlab.engine import tiering
 from tierlab.engine.checkpoint import Checkpoint, to_f32
 from tierlab.engine.config import ModelConfig, load_config
 from tierlab.engine.errors import ModelError
-from tierlab.engine.events import LEVEL_GPU, TokenEvent
-from tierlab.engine.expert_cache import ExpertCache
+from tierlab.engine.events import TokenEvent
 from tierlab.engine.expert_source import RawExpertSource
+from tierlab.engine.expert_store import ExpertStore, StoreStats
+from tierlab.engine.heat_log import HeatLog
 from tierlab.engine.kernels.dense import linear, rmsnorm
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.meters import MeterFold, read_store_counters
 from tierlab.engine.models import ARCHITECTURES
 from tierlab.engine.moe import DenseBlock, MoEBlock
-from tierlab.engine.prefetch import Pilot, pin_hot
+from tierlab.engine.prefetch import Pilot, RouterHead
+from tierlab.engine.qlinear import QuantMatrix, RowStack
 from tierlab.engine.sampling import Sampler
+from tierlab.engine.tiering import TierOptions
 
 CONTAINER_MANIFEST = "tierlab_container.json"
 TIMER_NAMES = ("attention", "deltanet", "router", "fetch", "compute", "shared", "tier", "pilot", "lm_head", "other")
@@ -53,7 +56,7 @@ class Layer:
 
 class Engine:
     def __init__(self, model_dir: Path, cfg: ModelConfig, ckpt: Checkpoint, source, cache_slots: int | None,
-                 knobs: Knobs | None, tokenizer=None) -> None:
+                 knobs: Knobs | None, tokenizer=None, tier: TierOptions | None = None) -> None:
         self.model_dir = model_dir
         self.config = cfg
         self.ckpt = ckpt
@@ -69,23 +72,23 @@ class Engine:
         slots = cfg.n_experts if cache_slots is None else cache_slots
         if slots < 1:
             raise ModelError(f"--cache must be at least 1 (got {slots})")
-        self.cache = ExpertCache(source, cfg.n_layers, cfg.n_experts, slots, cfg.moe_layers)
-        self.tier = None
+        tier = tier or TierOptions()
+        self.notices: list[str] = []
+        #: HEAT_FILE: the profile read at start, this process's routings, the write on close
+        self.heat_log = HeatLog(tier.heat_file, cfg.n_layers, cfg.n_experts)
+        #: where every expert lives (GPU tier, RAM cache, disk) and where it is computed
+        self.store = ExpertStore(source, cfg.n_layers, cfg.n_experts, slots, cfg.moe_layers, self.notice)
         self.router = None
         self.heat = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)  # since the last reset_meters
-        self.heat_total = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)  # whole process (HEAT_FILE)
-        self.heat_file: str | None = None
-        self.base_heat = None
-        self.tier_report: dict = {}
         self.meter_fold = MeterFold()  # every token since the last reset_meters
         self.timers: dict[str, float] = defaultdict(float)
         self.tokens_timed = 0
         self._listeners: list[Callable[[TokenEvent], None]] = []
         self._lock = threading.RLock()
-        self.notices: list[str] = []
         self.pilot: Pilot | None = None
         self._hot_pinned = False
         self.reset()
+        self.store.attach_tier(tier, self.heat_log.plan_file)
 
     # -- public state ------------------------------------------------------------
     def subscribe(self, listener: Callable[[TokenEvent], None]) -> None:
@@ -100,15 +103,24 @@ class Engine:
         self.notices.append(text)
 
     def residency(self, layer: int) -> np.ndarray:
-        """Residency level of every expert of a layer: 2 GPU tier, 1 RAM cache, 0 disk."""
-        level = self.cache.in_ram[layer].copy()
-        if self.tier is not None:
-            level[self.tier.resident_mask(layer, self.config.n_experts)] = LEVEL_GPU
-        return level
+        """Residency level of every expert of a layer, int8[E]: 2 GPU tier, 1 RAM cache, 0 disk."""
+        return self.store.levels(layer)
+
+    def cache_slots(self) -> int:
+        """RAM cache slots per MoE layer."""
+        return self.store.slots
 
     def set_cache_slots(self, slots: int) -> None:
         with self._lock:
-            self.cache.set_slots(slots)
+            self.store.set_slots(slots)
+
+    def store_stats(self) -> StoreStats:
+        """The expert store's counters (RAM hits and misses per layer, bytes read, tier) and shape."""
+        return self.store.stats()
+
+    def tier_description(self) -> dict | None:
+        """The GPU tier (device, capacity, warmstart order, uploads, bytes, seconds); None without one."""
+        return self.store.tier_report()
 
     def reset(self) -> None:
         """Forget the sequence (KV cache, DeltaNet state); keep caches, tiers and meters."""
@@ -117,7 +129,7 @@ class Engine:
             self.pos = 0
 
     def reset_meters(self) -> None:
-        self.cache.reset_counters()
+        self.store.reset_counters()
         self.heat[:] = 0
         self.meter_fold.reset()
         self.timers = defaultdict(float)
@@ -131,7 +143,7 @@ class Engine:
         if self.pilot is not None:
             self.pilot.close()
             self.pilot = None
-        self.cache.clear()
+        self.store.clear()
         self._hot_pinned = False
         if self.router is not None:
             from tierlab.engine.routing import Router
@@ -192,13 +204,15 @@ class Engine:
         self._publish(ids, start, phase, routes_by_layer, timers, T)
         knobs = ctx.knobs
         if knobs.HOT and not self._hot_pinned and self.pos >= knobs.WARMUP:
-            pin_hot(self, knobs.HOT)
+            self.store.pin_hot(self.heat, knobs.HOT)
             self._hot_pinned = True
         return logits
 
     def _pilot(self):
         if self.pilot is None:
-            self.pilot = Pilot(self)
+            heads = [RouterHead(layer.post_norm, layer.mlp.router_w) if isinstance(layer.mlp, MoEBlock) else None
+                     for layer in self.layers]
+            self.pilot = Pilot(self.config, self.store, heads)
         return self.pilot
 
     def _publish(self, ids, start, phase, routes_by_layer, timers, T) -> None:
@@ -255,13 +269,34 @@ class Engine:
 
     def close(self) -> None:
         """Write HEAT_FILE (if set), stop the prefetcher, release files and the device."""
-        tiering.write_heat(self)
+        self.heat_log.write(self.notice)
         if self.pilot is not None:
             self.pilot.close()
-        self.cache.close()
-        self.cache.source.close()
-        if self.tier is not None:
-            self.tier.close()
+        self.store.close()
+
+    # -- weights ---------------------------------------------------------------------
+    def dense_matrices(self) -> list:
+        """Every dense weight matrix the layers hold, once each (projections, router, shared
+        expert, dense MLPs; the router's view of the fused matrix is not listed again)."""
+        found = []
+        for layer in self.layers:
+            found += [v for v in vars(layer.mixer).values() if _is_matrix(v)]
+            mlp = layer.mlp
+            found += [v for name, v in vars(mlp).items() if name != "router_w" and _is_matrix(v)]
+            if isinstance(mlp, DenseBlock):
+                found += [mlp.mlp.gate, mlp.mlp.up, mlp.mlp.down]
+        return found
+
+    def weight_nbytes(self) -> dict:
+        """Bytes of weights outside the experts: "dense" (all layers), "embed_row" (one token's
+        embedding) and "lm_head"."""
+        return {"dense": sum(int(m.nbytes) for m in self.dense_matrices()),
+                "embed_row": int(self.embed.nbytes // max(self.config.vocab_size, 1)),
+                "lm_head": int(self.lm_head.nbytes)}
+
+
+def _is_matrix(value) -> bool:
+    return isinstance(value, (QuantMatrix, RowStack)) or (isinstance(value, np.ndarray) and value.ndim == 2)
 
 
 class _PassContext:
@@ -270,18 +305,13 @@ class _PassContext:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.knobs = engine.knobs.snapshot()
-        self.cache = engine.cache
+        self.store = engine.store
         self.router = engine.router
         self.timers: dict[str, float] = defaultdict(float)
-        self.wants_levels = bool(engine._listeners) or engine.tier is not None
-
-    @property
-    def tier(self):
-        """The GPU tier, or None (also after it failed during this pass)."""
-        return self.engine.tier
+        self.wants_levels = bool(engine._listeners) or engine.store.has_tier
 
     def residency(self, layer: int) -> np.ndarray:
-        return self.engine.residency(layer)
+        return self.store.levels(layer)
 
     def after_route(self, layer: int, route, logits: np.ndarray) -> None:
         engine = self.engine
@@ -289,13 +319,7 @@ class _PassContext:
             engine.pilot.observe(layer, logits, route.chosen, route.ram_hits, self.knobs)
         chosen = route.chosen[route.chosen >= 0]
         engine.heat[layer, chosen] += 1
-        engine.heat_total[layer, chosen] += 1
-
-    def tier_enqueue(self, layer: int, experts: list[int], x: np.ndarray):
-        return tiering.tier_enqueue(self.engine, layer, experts, x)
-
-    def tier_collect(self, handle):
-        return tiering.tier_collect(self.engine, handle)
+        engine.heat_log.record(layer, chosen)
 
 
 def open_expert_source(model_dir: Path, cfg: ModelConfig):
@@ -308,7 +332,7 @@ def open_expert_source(model_dir: Path, cfg: ModelConfig):
 
 
 def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Knobs | None = None,
-                with_tokenizer: bool = True, tier: "tiering.TierOptions | None" = None) -> Engine:
+                with_tokenizer: bool = True, tier: TierOptions | None = None) -> Engine:
     """Load a model folder or container; raises ModelError (one line) on bad input."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -326,11 +350,11 @@ def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Kn
         from tierlab.engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_folder(model_dir)
-    engine = Engine(model_dir, cfg, ckpt, source, cache_slots, knobs, tokenizer)
+    engine = Engine(model_dir, cfg, ckpt, source, cache_slots, knobs, tokenizer,
+                    tier if tier is not None else TierOptions.from_env())
     from tierlab.engine.routing import Router
 
     engine.router = Router(cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
-    tiering.attach_tier(engine, tier if tier is not None else tiering.TierOptions.from_env())
     return engine
 
 

@@ -1,9 +1,10 @@
-"""The MoE block: route each token, fetch its experts through the tiers, compute.
+"""The MoE block: route each token, have the expert store compute its experts, sum them.
 
 This is where the levers plug in without touching the math around them:
 - routing: the router's plain top-K, or, when the cache-aware lever or its
   meters are on, `Router.select` with each expert's residency level;
-- residency: the GPU tier (level 2) and the RAM cache (level 1);
+- residency: the expert store's levels (2 GPU tier, 1 RAM cache, 0 disk);
+  the store computes each expert where it lives;
 - events: what was chosen, what hit, what it cost.
 Expert outputs are summed in rank order whichever tier computed them, so
 moving an expert between tiers never changes the result.
@@ -19,7 +20,6 @@ from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
 from tierlab.engine.kernels.dense import axpy, linear, softmax_row
-from tierlab.engine.kernels.qmatvec import expert_forward_tokens
 from tierlab.engine.routing import plain_topk
 
 
@@ -113,9 +113,8 @@ class MoEBlock:
         return routes
 
     def _can_group(self, ctx) -> bool:
-        """A prompt's experts may be computed per expert when no expert can be evicted mid-prompt
-        (every expert has a RAM slot) and no GPU tier takes a share of them."""
-        return ctx.tier is None and ctx.cache.slots >= self.cfg.n_experts
+        """A prompt's experts may be computed per expert when the store can hold all of them at once."""
+        return ctx.store.can_group()
 
     def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[LayerRoute]:
         """A prompt's experts, each read once for all the tokens routed to it.
@@ -125,16 +124,15 @@ class MoEBlock:
         before the next token is routed; with a slot for every expert nothing
         is evicted, so holding them changes no decision). Only the work is
         regrouped: one pass over an expert's weights serves all its tokens
-        (`expert_forward_tokens`, bit-identical to the one-token kernel), and
-        each token still sums its experts in rank order.
+        (`forward_tokens`, bit-identical to the one-token kernel), and each
+        token still sums its experts in rank order.
         """
-        layer, cache, timers = self.layer, ctx.cache, ctx.timers
+        layer, store, timers = self.layer, ctx.store, ctx.timers
         T, K = x.shape[0], self.cfg.top_k
-        source = cache.source
         routes: list[LayerRoute] = []
         users: dict[int, list[tuple[int, int]]] = {}  # expert -> [(token, slot)] in token order
         blobs: dict[int, np.ndarray] = {}
-        fetches = []
+        holds = []
         try:
             for t in range(T):
                 t1 = time.perf_counter()
@@ -143,14 +141,14 @@ class MoEBlock:
                 timers["router"] += t2 - t1
                 slots = [s for s in range(route.chosen.shape[0]) if route.chosen[s] >= 0]
                 experts = [int(route.chosen[s]) for s in slots]
-                # the token's misses are read by the cache's reader threads side by side; all
+                # the token's misses are read by the store's reader threads side by side; all
                 # are in RAM before the next token is routed, as in decode
-                fetch = cache.acquire_token(layer, experts)
-                fetches.append(fetch)
+                held = store.acquire(layer, experts)
+                holds.append(held)
                 for i, (s, e) in enumerate(zip(slots, experts)):
-                    blobs[e] = fetch.blob(i)
-                    route.ram_hits += int(fetch.hit(i))
-                    route.ram_misses += int(not fetch.hit(i))
+                    blobs[e] = store.blob(held, i)
+                    route.ram_hits += int(held.hit(i))
+                    route.ram_misses += int(not held.hit(i))
                     users.setdefault(e, []).append((t, s))
                 timers["fetch"] += time.perf_counter() - t2
                 routes.append(route)
@@ -159,7 +157,7 @@ class MoEBlock:
             outputs = np.zeros((T, K, x.shape[1]), dtype=np.float32)
             for e, pairs in users.items():
                 tokens = [t for t, _ in pairs]
-                y = expert_forward_tokens(source.kind, blobs[e], source.hidden, source.inter, x[tokens])
+                y = store.forward_tokens(blobs[e], x[tokens])
                 for i, (t, s) in enumerate(pairs):
                     outputs[t, s] = y[i]
             for t, route in enumerate(routes):
@@ -168,81 +166,24 @@ class MoEBlock:
                         axpy(out[t], np.float32(route.weights[s]), outputs[t, s])
             timers["compute"] += time.perf_counter() - t3
         finally:
-            for fetch in fetches:
-                fetch.close()
+            for held in holds:
+                store.release(held)
         return routes
 
     def _experts(self, x: np.ndarray, route: LayerRoute, y: np.ndarray, ctx) -> None:
-        """y += sum over slots in rank order of weight * expert(x)."""
-        layer = self.layer
-        K = route.chosen.shape[0]
-        timers = ctx.timers
-        cache = ctx.cache
-        source = cache.source
+        """y += sum over slots in rank order of weight * expert(x), each expert computed where it lives."""
+        chosen = route.chosen
+        K = chosen.shape[0]
         outputs = np.zeros((K, x.shape[0]), dtype=np.float32)
-        on_gpu: list[int] = []
-        tier = ctx.tier
-        if tier is not None:
-            on_gpu = [s for s in range(K) if route.chosen[s] >= 0 and tier.is_resident(layer, int(route.chosen[s]))]
-        handle = None
+        hits, misses, on_gpu = ctx.store.compute(self.layer, chosen, x, outputs, ctx.timers)
+        route.ram_hits += hits
+        route.ram_misses += misses
         if on_gpu:
-            handle = ctx.tier_enqueue(layer, [int(route.chosen[s]) for s in on_gpu], x)
-            if handle is None:
-                on_gpu = []
-        cpu_slots = [s for s in range(K) if route.chosen[s] >= 0 and s not in on_gpu]
-        fetch = cache.acquire_token(layer, [int(route.chosen[s]) for s in cpu_slots]) if len(cpu_slots) > 1 else None
-        if fetch is not None:  # misses after the first are read while earlier experts compute
-            try:
-                for i, s in enumerate(cpu_slots):
-                    t0 = time.perf_counter()
-                    blob = fetch.blob(i)
-                    t1 = time.perf_counter()
-                    source.forward(blob, x, outputs[s], 1.0)
-                    timers["fetch"] += t1 - t0
-                    timers["compute"] += time.perf_counter() - t1
-                    if fetch.hit(i):
-                        route.ram_hits += 1
-                    else:
-                        route.ram_misses += 1
-            finally:
-                fetch.close()
-            cpu_slots = []
-        for s in cpu_slots:
-            e = int(route.chosen[s])
-            t0 = time.perf_counter()
-            blob, hit = cache.acquire(layer, e)
-            t1 = time.perf_counter()
-            try:
-                source.forward(blob, x, outputs[s], 1.0)
-            finally:
-                cache.release(layer, e)
-            timers["fetch"] += t1 - t0
-            timers["compute"] += time.perf_counter() - t1
-            if hit:
-                route.ram_hits += 1
-            else:
-                route.ram_misses += 1
-        if handle is not None:
-            t0 = time.perf_counter()
-            results = ctx.tier_collect(handle)
-            timers["tier"] += time.perf_counter() - t0
-            if results is None:  # the tier failed mid-token: compute these on the CPU
-                for s in on_gpu:
-                    e = int(route.chosen[s])
-                    blob, hit = cache.acquire(layer, e)
-                    try:
-                        source.forward(blob, x, outputs[s], 1.0)
-                    finally:
-                        cache.release(layer, e)
-                    route.ram_hits += int(hit)
-                    route.ram_misses += int(not hit)
-            else:
-                for i, s in enumerate(on_gpu):
-                    outputs[s] = results[i]
-                    route.level[s] = LEVEL_GPU
-                route.vram_served = len(on_gpu)
+            for s in on_gpu:
+                route.level[s] = LEVEL_GPU
+            route.vram_served = len(on_gpu)
         for s in range(K):
-            if route.chosen[s] >= 0:
+            if chosen[s] >= 0:
                 axpy(y, np.float32(route.weights[s]), outputs[s])
 
 

@@ -4,28 +4,34 @@ Right after layer i's mixer, the residual already says a lot about where
 layer i+1 (and i+2, i+3 with PILOT=2/3) will route: run that layer's router
 on it (normed with that layer's post-attention norm), blend with a per-layer
 EMA of the logits it actually produced, and take experts until their mass
-reaches CONF_LIMIT (at least K, at most K*WIDE). A loader thread reads them
-into the RAM cache while the CPU computes this layer. Prefetch only moves
-bytes: it never changes which experts run or what they compute.
-
-HOT=n pins the n most-routed experts of each layer after WARMUP tokens.
+reaches CONF_LIMIT (at least K, at most K*WIDE). A loader thread has the
+expert store read them into RAM while the CPU computes this layer. Prefetch
+only moves bytes: it never changes which experts run or what they compute.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
 from tierlab.engine.kernels.dense import linear, rmsnorm
 
 
-class Loader:
-    """A background thread with a deduplicated queue of (layer, expert) loads."""
+class RouterHead(NamedTuple):
+    """What PILOT needs of a MoE layer to guess its experts: the post-attention norm and the router."""
 
-    def __init__(self, cache) -> None:
-        self.cache = cache
+    post_norm: np.ndarray
+    router_w: object  # float32/bf16 [E, H] matrix or a QuantMatrix: anything `linear` takes
+
+
+class Loader:
+    """A background thread with a deduplicated queue of (layer, expert) loads into the expert store."""
+
+    def __init__(self, store) -> None:
+        self.store = store
         self._queue: deque[tuple[int, int]] = deque()
         self._queued: set[tuple[int, int]] = set()
         self._cond = threading.Condition()
@@ -62,7 +68,7 @@ class Loader:
                 key = self._queue.popleft()
                 self._busy = True
             try:
-                if self.cache.prefetch(*key):
+                if self.store.prefetch(*key):
                     self.issued += 1
                     self.on_loaded(*key)
             except Exception:  # a failed read is retried by the decode thread on demand
@@ -87,12 +93,15 @@ class Loader:
 class Pilot:
     """Predicts and prefetches; keeps the meters (issued, useful, wasted, prefetch hits)."""
 
-    def __init__(self, engine) -> None:
-        cfg = engine.config
-        self.engine = engine
+    def __init__(self, config, store, heads: list[RouterHead | None]) -> None:
+        """`heads[i]`: layer i's router head, None for a layer without experts."""
+        cfg = config
+        self.config = config
+        self.store = store
+        self.heads = heads
         self.ema = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.float32)
         self.ema_ready = np.zeros(cfg.n_layers, dtype=np.bool_)
-        self.loader = Loader(engine.cache)
+        self.loader = Loader(store)
         self.loader.on_loaded = self._loaded
         self._lock = threading.Lock()
         self._pending: list[set[int]] = [set() for _ in range(cfg.n_layers)]  # prefetched, not yet routed
@@ -103,20 +112,20 @@ class Pilot:
     # -- prediction ------------------------------------------------------------
     def after_mixer(self, layer: int, x: np.ndarray, knobs) -> None:
         """Called with the residual right after `layer`'s mixer (last token only)."""
-        engine = self.engine
-        cfg = engine.config
+        cfg = self.config
+        store = self.store
         for ahead in range(1, knobs.PILOT + 1):
             target = layer + ahead
             if target >= cfg.n_layers or not cfg.moe_layers[target]:
                 continue
-            block = engine.layers[target]
-            h = rmsnorm(x[-1:], block.post_norm, cfg.rms_eps)[0]
-            z = linear(block.mlp.router_w, h)
+            head = self.heads[target]
+            h = rmsnorm(x[-1:], head.post_norm, cfg.rms_eps)[0]
+            z = linear(head.router_w, h)
             if self.ema_ready[target]:
                 z = (1.0 - knobs.SMOOTH) * z + knobs.SMOOTH * self.ema[target]
             for e in self.choose(z, cfg.top_k, knobs):
                 self.predicted += 1
-                if not engine.cache.is_resident(target, e):
+                if not store.in_ram(target, e):
                     self.loader.submit(target, e)
 
     @staticmethod
@@ -163,14 +172,3 @@ class Pilot:
     def close(self) -> None:
         self.loader.close()
 
-
-def pin_hot(engine, n: int) -> None:
-    """Load and pin the n most-routed experts of each MoE layer (HOT=n)."""
-    cache = engine.cache
-    for layer, is_moe in enumerate(engine.config.moe_layers):
-        if not is_moe:
-            continue
-        hot = [int(e) for e in np.argsort(-engine.heat[layer], kind="stable")[:n] if engine.heat[layer, e] > 0]
-        for e in hot[: cache.slots]:
-            cache.prefetch(layer, e)
-        cache.pin(layer, hot[: cache.slots])

@@ -14,25 +14,26 @@ from pathlib import Path
 from tierlab.engine.knobs import KnobChange
 from tierlab.engine.meters import MeterFold, meters_json
 from tierlab.engine.sessionlog import SessionLogWriter
+from tierlab.engine.surface import EngineSurface
 
 
-def model_record(engine) -> dict:
+def model_record(engine: EngineSurface) -> dict:
     cfg = engine.config
     return {"path": str(engine.model_dir), "arch": cfg.arch, "n_layers": cfg.n_layers,
             "n_experts": cfg.n_experts, "top_k": cfg.top_k, "hidden": cfg.hidden_size,
-            "expert_kind": engine.cache.source.kind}
+            "expert_kind": engine.store_stats().expert_kind}
 
 
 class EngineLog:
-    def __init__(self, engine, path: str | Path) -> None:
+    def __init__(self, engine: EngineSurface, path: str | Path) -> None:
         self.engine = engine
         self.tokens = 0
         self.fold = MeterFold()
         self.meters: dict | None = None
+        stats = engine.store_stats()
         self.writer = SessionLogWriter(
             path, model=model_record(engine), knobs=engine.knobs.snapshot(),
-            cache={"ram_slots": engine.cache.slots, "gpu_tier": engine.tier is not None,
-                   "tier_residents": int(engine.tier.stats.residents) if engine.tier is not None else 0},
+            cache={"ram_slots": stats.slots, "gpu_tier": stats.tier_on, "tier_residents": stats.tier_residents},
         )
         engine.subscribe(self._on_token)
         engine.knobs.subscribe(self._on_knob)

@@ -235,7 +235,7 @@ async def test_each_knob_reaches_the_engine_and_is_logged(make_app):
             assert knobs.get(name) == pytest.approx(value), name
         app.query_one(f"#{knob_id(CACHE_SLOTS)}", Knob).focus()
         await pilot.press("left")
-        assert app.engine.cache.slots == 5
+        assert app.engine.cache_slots() == 5
         labels = [mark.label for mark in app.watch.history.marks]
         for name in ["CACHE_ROUTE", "ROUTE_AGREE", "ROUTE_MODE", *expected]:
             assert any(label.startswith(name + "=") for label in labels), name
@@ -254,7 +254,7 @@ async def test_each_knob_reaches_the_engine_and_is_logged(make_app):
         await pilot.click("#reset-knobs")
         await pilot.pause()
         assert knobs.snapshot().changed_from_default() == {}
-        assert app.engine.cache.slots == 6
+        assert app.engine.cache_slots() == 6
         assert app.query_one(f"#{knob_id('ROUTE_J')}", Knob).value == 2
         assert app.query_one(f"#{knob_id('CACHE_ROUTE')} Switch", Switch).value is False
 
@@ -272,7 +272,8 @@ async def test_heatmap_cells_follow_the_engine_residency(make_app):
         assert heatmap.data.chosen.sum(axis=1).tolist() == [4] * app.engine.config.n_layers
         np.testing.assert_array_equal(heatmap.data.heat, app.engine.heat)
         # the per-layer column agrees with the engine's own per-layer counters
-        hits, misses = app.engine.cache.hits, app.engine.cache.misses
+        stats = app.engine.store_stats()
+        hits, misses = stats.hits, stats.misses
         np.testing.assert_allclose(heatmap.data.layer_hit, 100.0 * hits / (hits + misses))
         assert heatmap.data.last_use.max() == app.watch.tokens_seen - 1
         # the cursor's info line tells the cell's level
@@ -513,7 +514,7 @@ async def test_tier_puts_experts_at_the_gpu_level(make_app, tmp_path):
         await ready(pilot)
         await pilot.pause(0.2)
         levels = app.query_one(ExpertHeatmap).data.levels
-        assert app.engine.tier is not None, f"no OpenCL tier (pyopencl[pocl] should provide a device): {app.notes}"
+        assert app.engine.tier_description() is not None, f"no OpenCL tier (pyopencl[pocl] should provide a device): {app.notes}"
         assert any("GPU tier on" in text for text, _ in app.notes)
         assert (levels == 2).any()
         np.testing.assert_array_equal(levels[0], app.engine.residency(0))
@@ -525,7 +526,7 @@ async def test_tier_without_a_matching_device_says_why(make_app, monkeypatch):
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
         await pilot.pause(0.2)
-        assert app.engine.tier is None
+        assert app.engine.tier_description() is None
         assert any("no GPU tier" in text for text, _ in app.notes)
         assert not (app.query_one(ExpertHeatmap).data.levels == 2).any()
 

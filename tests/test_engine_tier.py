@@ -37,13 +37,13 @@ def folder(oracle_models):
 def test_tier_on_matches_tier_off(folder):
     off = decode(engine_with(folder, None))
     engine = engine_with(folder, TierOptions(enabled=True, budget=str(12 * EXPERT_GIB)))
-    assert engine.tier is not None
+    assert engine.tier_description() is not None
     on = decode(engine)
     assert np.abs(on - off).max() <= 1e-5 * np.abs(off).max()
     assert np.array_equal(on.argmax(1), off.argmax(1))
     m = engine.meters()
     assert 0 < m["vram_hit"] < 1 and m["tier_residents"] == 12
-    assert engine.tier_report["warmstart"] == "index"
+    assert engine.tier_description()["warmstart"] == "index"
 
 
 def test_heat_planned_warmstart_beats_index_order(folder, tmp_path):
@@ -58,7 +58,7 @@ def test_heat_planned_warmstart_beats_index_order(folder, tmp_path):
     planned = engine_with(folder, TierOptions(enabled=True, budget=budget, heat_file=str(heat)))
     decode(index)
     decode(planned)
-    assert planned.tier_report["warmstart"] == "heat"
+    assert planned.tier_description()["warmstart"] == "heat"
     assert planned.meters()["vram_hit"] > index.meters()["vram_hit"]
 
 
@@ -73,29 +73,64 @@ def test_lever_swaps_to_vram(folder):
 
 def test_invalid_device_name_falls_back_to_cpu(folder):
     engine = engine_with(folder, TierOptions(enabled=True, device="no-such-device-xyz"))
-    assert engine.tier is None
+    assert engine.tier_description() is None
     assert any("no-such-device-xyz" in n for n in engine.notices)
     assert np.array_equal(decode(engine), decode(engine_with(folder, None)))
 
 
 def test_device_lost_mid_run_continues_on_cpu(folder, monkeypatch):
-    from tierlab.engine.tiers.opencl_tier import TierFailure
+    from tierlab.engine.tiers.opencl_tier import OpenCLTier, TierFailure
 
     off = decode(engine_with(folder, None))
     engine = engine_with(folder, TierOptions(enabled=True, budget=str(40 * EXPERT_GIB)))
     calls = {"n": 0}
-    real = engine.tier.enqueue
+    real = OpenCLTier.enqueue
 
-    def flaky(layer, experts, x):
+    def flaky(tier, layer, experts, x):
         calls["n"] += 1
         if calls["n"] > 5:
             raise TierFailure("device lost (test)")
-        return real(layer, experts, x)
+        return real(tier, layer, experts, x)
 
-    monkeypatch.setattr(engine.tier, "enqueue", flaky)
+    monkeypatch.setattr(OpenCLTier, "enqueue", flaky)
+    engine.notices.clear()
     on = decode(engine)
-    assert engine.tier is None
+    assert engine.tier_description() is None
     assert np.abs(on - off).max() <= 1e-5 * np.abs(off).max()
+    assert [n for n in engine.notices if "GPU tier" in n] == ["GPU tier off: device lost (test); experts run on the CPU"]
+
+
+def test_device_failing_while_collecting_mid_generation_is_handled_in_the_store(folder, monkeypatch):
+    """The tier's own failure path (a cl.Error while collecting): the store drops the tier, the
+    tokens are those of a CPU-only run, and the user reads one notice."""
+    import pyopencl as cl
+
+    from tierlab.engine.tiers.opencl_tier import OpenCLTier
+
+    class LostEvent:
+        def wait(self):
+            raise cl.RuntimeError("clWaitForEvents failed: EXEC_STATUS_ERROR_FOR_EVENTS_IN_WAIT_LIST")
+
+    off = decode(engine_with(folder, None))
+    engine = engine_with(folder, TierOptions(enabled=True, budget=str(40 * EXPERT_GIB)))
+    calls = {"n": 0}
+    real = OpenCLTier.collect
+
+    def failing(tier, handle):
+        calls["n"] += 1
+        if calls["n"] > 7 and handle.done is not None:
+            handle.done.wait()
+            handle.done = LostEvent()
+        return real(tier, handle)
+
+    monkeypatch.setattr(OpenCLTier, "collect", failing)
+    engine.notices.clear()
+    on = decode(engine)
+    assert engine.tier_description() is None
+    assert np.array_equal(on.argmax(1), off.argmax(1))
+    assert np.abs(on - off).max() <= 1e-5 * np.abs(off).max()
+    assert len([n for n in engine.notices if "GPU tier" in n]) == 1
+    assert engine.store_stats().tier_on is False
 
 
 def test_cli_tier_and_bad_budget(folder, tmp_path):

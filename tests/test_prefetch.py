@@ -78,45 +78,48 @@ def test_choose_takes_mass_between_k_and_k_times_wide():
 def test_hot_pins_survive_eviction(oracle_models):
     folder = oracle_models["qwen3_5_moe"][1]
     engine, _ = run(folder, 3, HOT="1", WARMUP="2")
-    assert engine._hot_pinned
-    cache = engine.cache
-    state = cache._layers[0]
-    pinned = [int(e) for e, p in zip(state["expert"], state["pinned"]) if p]
+    store = engine.store
+    pinned = store.pinned(0)
     assert len(pinned) == 1
     # the pinned expert stays resident while the cache churns through all the others
     for e in range(engine.config.n_experts):
         if e not in pinned:
-            cache.acquire(0, e)
-            cache.release(0, e)
-    assert cache.is_resident(0, pinned[0])
+            held = store.acquire(0, [e])
+            store.blob(held, 0)
+            store.release(held)
+    assert store.in_ram(0, pinned[0])
 
 
 def test_token_fetch_reads_right_bytes_and_protects_its_own_hits(oracle_models):
     """A token's misses never evict its own resident experts; background reads give the right bytes."""
-    from tierlab.engine.expert_cache import ExpertCache
+    from tierlab.engine.checkpoint import Checkpoint
+    from tierlab.engine.config import load_config
+    from tierlab.engine.expert_source import RawExpertSource
+    from tierlab.engine.expert_store import ExpertStore
 
     folder = oracle_models["qwen3_moe"][1]
-    source = load_engine(folder, cache_slots=4).cache.source
-    cache = ExpertCache(source, 1, 8, 2, [True])
+    source = RawExpertSource(Checkpoint(folder, load_config(folder)))
+    store = ExpertStore(source, 1, 8, 2, [True], notice=print)
     reference = np.empty(source.blob_nbytes, dtype=np.uint8)
 
     def token(experts):
-        fetch = cache.acquire_token(0, experts)
+        held = store.acquire(0, experts)
         try:
             for i, e in enumerate(experts):
                 source.read(0, e, reference)
-                assert np.array_equal(fetch.blob(i), reference)
+                assert np.array_equal(store.blob(held, i), reference)
         finally:
-            fetch.close()
+            store.release(held)
 
     token([0, 1])  # A=0 (older), B=1 (newer)
     token([2, 0])  # C misses: it must evict B, not this token's A
-    assert cache.is_resident(0, 0) and cache.is_resident(0, 2) and not cache.is_resident(0, 1)
-    assert (int(cache.hits[0]), int(cache.misses[0])) == (1, 3)
+    assert store.in_ram(0, 0) and store.in_ram(0, 2) and not store.in_ram(0, 1)
+    assert (int(store.stats().hits[0]), int(store.stats().misses[0])) == (1, 3)
+    store.close()
     # over random streams the hits and the residency are exactly those of the rule in docs/tiers.md
     rng = np.random.default_rng(0)
     for slots, k in ((4, 3), (3, 2), (5, 3)):
-        cache = ExpertCache(source, 1, 8, slots, [True])
+        store = ExpertStore(source, 1, 8, slots, [True], notice=print)
         stream = [[int(e) for e in rng.choice(8, k, replace=False)] for _ in range(60)]
         held: list[int] = []  # the rule's LRU order, least recent first
         hits = 0
@@ -130,9 +133,10 @@ def test_token_fetch_reads_right_bytes_and_protects_its_own_hits(oracle_models):
                 elif len(held) == slots:
                     held.pop(0)
                 held.append(e)
-            assert sorted(np.flatnonzero(cache.in_ram[0]).tolist()) == sorted(held)
-        assert int(cache.hits[0]) == hits and int(cache.misses[0]) == k * len(stream) - hits, (slots, k)
-        cache.close()
-    cache = ExpertCache(source, 1, 8, 4, [True])
-    assert cache.acquire_token(0, [0, 1, 2, 3, 4]) is None  # more experts than slots
-    cache.close()
+            assert sorted(np.flatnonzero(store.levels(0) == 1).tolist()) == sorted(held)
+        stats = store.stats()
+        assert int(stats.hits[0]) == hits and int(stats.misses[0]) == k * len(stream) - hits, (slots, k)
+        store.close()
+    store = ExpertStore(source, 1, 8, 4, [True], notice=print)
+    assert store.acquire(0, [0, 1, 2, 3, 4]) is None  # more experts than slots
+    store.close()

@@ -46,7 +46,7 @@ def main() -> None:
     for model in args.models:
         prompt, full, text = reference(model, args.tokens)
         base_engine = load_engine(model, with_tokenizer=False)
-        kind = base_engine.cache.source.kind
+        kind = base_engine.store_stats().expert_kind
         base, n = teacher_forced_nll(base_engine, prompt, full)
         cells = []
         with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tierlab.engine.knobs import SPECS
 from tierlab.engine.options import EngineOptions, default_model
+from tierlab.engine.surface import EngineSurface
 from tierlab.engine.tiering import TierOptions
 
 
@@ -48,12 +49,12 @@ def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
                            help=f"{spec.help} (default {spec.default})")
 
 
-def open_engine(args: argparse.Namespace, with_tokenizer: bool = True):
+def open_engine(args: argparse.Namespace, with_tokenizer: bool = True) -> EngineSurface:
     """The engine the flags describe."""
     return options_from_args(args).open(with_tokenizer=with_tokenizer)
 
 
-def print_notices(engine) -> None:
+def print_notices(engine: EngineSurface) -> None:
     for line in engine.notices:
         print(f"tierlab: {line}", file=sys.stderr)
     engine.notices.clear()

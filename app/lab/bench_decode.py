@@ -19,43 +19,31 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierlab.engine.meters import meters_json
-from tierlab.engine.model import TIMER_NAMES, Engine
+from tierlab.engine.model import TIMER_NAMES
 from tierlab.engine.qlinear import QuantMatrix, RowStack
+from tierlab.engine.surface import EngineSurface
 
 
-def weight_bytes_per_token(engine: Engine) -> dict:
+def weight_bytes_per_token(engine: EngineSurface) -> dict:
     """Bytes of weights one decode token reads (dense, experts, lm_head), ignoring caches."""
     cfg = engine.config
-    dense = 0
-    for layer in engine.layers:
-        for value in vars(layer.mixer).values():
-            if isinstance(value, (QuantMatrix, RowStack)) or (isinstance(value, np.ndarray) and value.ndim == 2):
-                dense += value.nbytes
-        mlp = layer.mlp
-        for name, value in vars(mlp).items():
-            if name == "router_w":  # a view of w_in, or one of its parts
-                continue
-            if isinstance(value, (QuantMatrix, RowStack)) or (isinstance(value, np.ndarray) and value.ndim == 2):
-                dense += value.nbytes
-        if hasattr(mlp, "mlp"):  # dense MLP layer
-            dense += sum(getattr(mlp.mlp, n).nbytes for n in ("gate", "up", "down"))
-    row = engine.embed.nbytes // max(cfg.vocab_size, 1)
-    lm_head = engine.lm_head.nbytes
-    experts = sum(cfg.moe_layers) * cfg.top_k * engine.cache.source.blob_nbytes
-    return {"dense": int(dense + row), "experts": int(experts), "lm_head": int(lm_head),
-            "total": int(dense + row + experts + lm_head)}
+    weights = engine.weight_nbytes()
+    dense = weights["dense"] + weights["embed_row"]
+    lm_head = weights["lm_head"]
+    experts = sum(cfg.moe_layers) * cfg.top_k * engine.store_stats().blob_nbytes
+    return {"dense": int(dense), "experts": int(experts), "lm_head": int(lm_head),
+            "total": int(dense + experts + lm_head)}
 
 
-def dense_kind(engine: Engine) -> str:
+def dense_kind(engine: EngineSurface) -> str:
     """How the dense projections are stored: int8/int4 (a --dense-bits container), bf16 or fp32."""
-    for layer in engine.layers:
-        for value in list(vars(layer.mixer).values()) + list(vars(layer.mlp).values()):
-            if isinstance(value, RowStack):
-                value = next((p for p in value.parts if isinstance(p, QuantMatrix)), value.parts[0])
-            if isinstance(value, QuantMatrix):
-                return value.kind
-            if isinstance(value, np.ndarray) and value.ndim == 2 and value.dtype in (np.uint16, np.float32):
-                return "bf16" if value.dtype == np.uint16 else "fp32"
+    for value in engine.dense_matrices():
+        if isinstance(value, RowStack):
+            value = next((p for p in value.parts if isinstance(p, QuantMatrix)), value.parts[0])
+        if isinstance(value, QuantMatrix):
+            return value.kind
+        if isinstance(value, np.ndarray) and value.ndim == 2 and value.dtype in (np.uint16, np.float32):
+            return "bf16" if value.dtype == np.uint16 else "fp32"
     return "?"
 
 
@@ -94,7 +82,7 @@ class DecodeReport:
         return dict(vars(self))
 
 
-def run_decode_bench(engine: Engine, prompt_tokens: int = 32, decode_tokens: int = 32, cold: bool = False,
+def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_tokens: int = 32, cold: bool = False,
                      seed: int = 0, bandwidth_gbs: float | None = None) -> DecodeReport:
     rng = np.random.default_rng(seed)
     vocab = engine.config.vocab_size
@@ -112,20 +100,21 @@ def run_decode_bench(engine: Engine, prompt_tokens: int = 32, decode_tokens: int
     logits = engine.prefill(prompt)
     prefill_s = time.perf_counter() - t0
     before = dict(engine.timers)
-    misses_before = int(engine.cache.misses.sum())
+    misses_before = engine.store_stats().ram_misses
     t0 = time.perf_counter()
     for _ in range(decode_tokens):
         logits = engine.step(int(np.argmax(logits)))
     decode_s = time.perf_counter() - t0
     ms = {k: 1000.0 * (engine.timers.get(k, 0.0) - before.get(k, 0.0)) / decode_tokens for k in TIMER_NAMES}
-    misses = int(engine.cache.misses.sum()) - misses_before
+    stats = engine.store_stats()
+    misses = stats.ram_misses - misses_before
     wb = weight_bytes_per_token(engine)
     return DecodeReport(
-        model=str(engine.model_dir), kind=engine.cache.source.kind, cache_slots=engine.cache.slots,
+        model=str(engine.model_dir), kind=stats.expert_kind, cache_slots=stats.slots,
         n_experts=engine.config.n_experts, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
         prefill_tok_s=prompt_tokens / prefill_s, decode_tok_s=decode_tokens / decode_s, ms_per_token=ms,
         ram_hit=meters_json(engine.meters())["ram_hit"] or 0.0,
-        disk_mb_per_token=misses * engine.cache.source.blob_nbytes / decode_tokens / 2**20,
+        disk_mb_per_token=misses * stats.blob_nbytes / decode_tokens / 2**20,
         weight_bytes=wb, bandwidth_gbs=bandwidth_gbs, roofline_tok_s=bandwidth_gbs * 1e9 / wb["total"],
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, cold=dropped,
         dense_kind=dense_kind(engine),

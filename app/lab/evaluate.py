@@ -160,7 +160,7 @@ def format_report(engine: Engine, result: dict) -> list[str]:
         f"Expert cache hit rate: {_show(result, 'ram_hit')} (hit={result['ram_hits']} miss={result['ram_misses']}) "
         f"| Belady bound {_show(result, 'oracle_hit')} at {result['cache_slots']} slots/layer"
     )
-    if engine.tier is not None:
+    if engine.tier_description() is not None:
         lines.append(f"VRAM hit rate: {_show(result, 'vram_hit')} ({result.get('tier_residents', 0)} experts resident)")
     lines.extend(result["route_footer"])
     ms = result["ms_per_token"]

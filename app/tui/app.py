@@ -29,6 +29,7 @@ from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
 from tierlab.engine.options import EngineOptions
+from tierlab.engine.surface import EngineSurface
 from tierlab.widgets.heatmap import ExpertHeatmap
 from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch
 from tierlab.widgets.meters import MeterPlot, MetersPanel
@@ -82,7 +83,7 @@ class TierlabApp(App):
         self,
         options: EngineOptions | None = None,
         *,
-        engine_factory: Callable[[], object] | None = None,
+        engine_factory: Callable[[], EngineSurface] | None = None,
         sessions_dir: str | Path = "tierlab-sessions",
         seed: int = 0,
         max_tokens: int = 64,
@@ -98,7 +99,7 @@ class TierlabApp(App):
         self.heat_path = None if options is None or not options.tier.heat_file else Path(options.tier.heat_file)
         self.sessions_dir = Path(sessions_dir)
         self.seed = seed
-        self.engine = None
+        self.engine: EngineSurface | None = None
         self.watch: EngineWatch | None = None
         self.recorder = None
         self.generating = False
@@ -174,22 +175,22 @@ class TierlabApp(App):
         heatmap.refresh()
         self.notify(message, title="Model not loaded", severity="error", timeout=15)
 
-    def _engine_ready(self, engine) -> None:
+    def _engine_ready(self, engine: EngineSurface) -> None:
         # The model, its kernels and the widget tree live as long as the app: leave them out of the
         # collector's full passes, which otherwise stop both threads for ~0.1 s while tokens stream.
         gc.freeze()
         self.engine = engine
         self.watch = EngineWatch(engine)
         config = engine.config
-        slots = self._cache_slots_of(engine)
+        slots = engine.cache_slots()
         self._initial_slots = slots
         self.query_one(KnobsPanel).configure(int(config.top_k), int(config.n_experts), slots)
         self.query_one(KnobsPanel).show(engine.knobs.snapshot(), slots)
         self.refresh_views(force=True)
         self._update_subtitle()
-        if self.tier and getattr(engine, "tier", None) is None:
+        if self.tier and engine.tier_description() is None:
             self.notify("no GPU tier: running from RAM and disk only", severity="warning")
-        tokenizer = getattr(engine, "tokenizer", None)
+        tokenizer = engine.tokenizer
         if tokenizer is None:
             self.notify("this model has no tokenizer.json: chat is off", severity="warning")
         elif getattr(tokenizer, "chat_template", True) is None:
@@ -197,29 +198,19 @@ class TierlabApp(App):
             self.notify("this model has no chat template: raw completion mode", severity="warning")
         self._show_engine_notices()
 
-    @staticmethod
-    def _cache_slots_of(engine) -> int:
-        cache = getattr(engine, "cache", None)
-        slots = getattr(cache, "slots", None)
-        if isinstance(slots, int):
-            return slots
-        return int(engine.config.n_experts)
-
     def _show_engine_notices(self) -> None:
-        notices = getattr(self.engine, "notices", None)
-        if notices:
-            while notices:
-                self.notify(str(notices.pop(0)), title="engine")
+        notices = self.engine.notices
+        while notices:
+            self.notify(str(notices.pop(0)), title="engine")
 
     def _update_subtitle(self) -> None:
         if self.engine is None:
             return
         config = self.engine.config
-        name = getattr(self.engine, "model_dir", None)
         parts = [
-            Path(name).name if name else "model",
+            Path(self.engine.model_dir).name,
             f"{config.n_layers}L × {config.n_experts}E top-{config.top_k}",
-            f"cache {self._cache_slots_of(self.engine)}",
+            f"cache {self.engine.cache_slots()}",
         ]
         if self.watch is not None:
             parts.append(f"{self.watch.tokens_seen} tok")
@@ -270,7 +261,7 @@ class TierlabApp(App):
         if self.engine is None:
             self.notify("no model loaded", severity="error")
             return
-        tokenizer = getattr(self.engine, "tokenizer", None)
+        tokenizer = self.engine.tokenizer
         if tokenizer is None:
             self.notify("this model has no tokenizer: cannot chat", severity="error")
             return
@@ -395,7 +386,7 @@ class TierlabApp(App):
     def set_cache_slots(self, slots: int) -> None:
         if self.engine is None:
             return
-        old = self._cache_slots_of(self.engine)
+        old = self.engine.cache_slots()
         try:
             self.engine.set_cache_slots(int(slots))
         except (TierlabError, ValueError) as exc:
@@ -429,7 +420,7 @@ class TierlabApp(App):
         if self.engine is None:
             return
         changes = self.engine.knobs.reset()
-        if self._cache_slots_of(self.engine) != self._initial_slots:
+        if self.engine.cache_slots() != self._initial_slots:
             self.set_cache_slots(self._initial_slots)
         self.query_one(KnobsPanel).show(self.engine.knobs.snapshot(), self._initial_slots)
         names = ", ".join(f"{c.name}={format_knob_value(c.new)}" for c in changes) or "nothing to reset"

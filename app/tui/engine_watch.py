@@ -18,6 +18,7 @@ from tierlab.app.lab.oracle import OracleBand
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.knobs import KnobChange
 from tierlab.engine.meters import MeterFold
+from tierlab.engine.surface import EngineSurface
 from tierlab.widgets.heatmap import HeatmapData
 from tierlab.widgets.meters import MeterHistory
 
@@ -37,7 +38,7 @@ def format_knob_value(value: object) -> str:
 class EngineWatch:
     """Collects routing, residency and meters from an engine for the app to draw."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: EngineSurface) -> None:
         self.engine = engine
         config = engine.config
         self.n_layers = int(config.n_layers)
@@ -156,7 +157,5 @@ class EngineWatch:
         """Stop listening to the engine."""
         self._closed = True
         self.oracle.close()
-        unsubscribe = getattr(self.engine, "unsubscribe", None)
-        if unsubscribe is not None:
-            unsubscribe(self._on_token)
+        self.engine.unsubscribe(self._on_token)
         self.engine.knobs.unsubscribe(self._on_knob)

@@ -1,0 +1,558 @@
+"""The expert store: where each expert lives, and running it there.
+
+Three residency levels (`levels`): the GPU tier (2, an OpenCL device filled
+at start), the RAM cache (1, a fixed number of slots per MoE layer) and disk
+(0, the expert source). The MoE block routes and sums; for each token it
+asks the store to compute the chosen experts (`compute`): those the tier
+holds run on the device while the CPU computes the others from RAM slots,
+each output in its own row so the caller sums them in rank order, whichever
+level served them. Moving an expert between levels never changes a result.
+
+The RAM cache: a miss reads the expert into a free slot, or into the slot of
+a victim chosen in this order: an expert the GPU tier already holds, then
+the least-recently-used unpinned one, then the least-recently-used pinned
+one; never a slot being loaded or in use. Prefetch (PILOT) and pins (HOT)
+fill and protect slots without counting hits or misses.
+
+A device failure (`TierFailure`) is handled here: the store drops the tier,
+says so once through its notice callback, and computes on the CPU.
+
+Thread safety: the decode thread and the PILOT loader thread share the RAM
+cache; disk reads happen outside the lock, with the slot marked as loading.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from tierlab.engine import hugepages
+from tierlab.engine.errors import TierlabError
+from tierlab.engine.events import LEVEL_GPU
+from tierlab.engine.kernels.qmatvec import expert_forward_tokens
+from tierlab.engine.tiering import TierOptions
+from tierlab.engine.tiers.opencl_tier import TierFailure
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters of the store since the last `reset_counters`, and its current shape."""
+
+    hits: np.ndarray  # int64[n_layers]: RAM cache hits per layer
+    misses: np.ndarray  # int64[n_layers]: RAM cache misses per layer
+    bytes_read: int  # bytes read from the expert source (misses, prefetches, pins)
+    prefetch_reads: int  # reads issued by prefetch (PILOT and HOT), not counted as misses
+    slots: int  # RAM slots per MoE layer
+    tier_on: bool  # a GPU tier is attached (and has not failed)
+    tier_residents: int
+    tier_uploads: int
+    tier_bytes: int
+    expert_kind: str  # how the source stores an expert: fp32, bf16, int8 or int4
+    blob_nbytes: int  # bytes of one expert
+
+    @property
+    def ram_hits(self) -> int:
+        return int(self.hits.sum())
+
+    @property
+    def ram_misses(self) -> int:
+        return int(self.misses.sum())
+
+    @property
+    def hit_rate(self) -> float:
+        """RAM hits over RAM requests, 0..1 (0 before any request)."""
+        total = self.ram_hits + self.ram_misses
+        return self.ram_hits / total if total else 0.0
+
+
+class HeldExperts:
+    """One token's experts held in RAM slots (from `ExpertStore.acquire`, until `release`).
+
+    `plan[i]` is (expert, slot, must_load) for the i-th expert asked for; `futures` maps an
+    expert to its background read, `loaded` lists the misses already read in this thread.
+    """
+
+    __slots__ = ("layer", "plan", "futures", "loaded")
+
+    def __init__(self, layer: int, plan: list[tuple[int, int, bool]]) -> None:
+        self.layer = layer
+        self.plan = plan
+        self.futures: dict = {}
+        self.loaded: set[int] = set()
+
+    def hit(self, i: int) -> bool:
+        return not self.plan[i][2]
+
+
+class ExpertStore:
+    def __init__(self, source, n_layers: int, n_experts: int, slots: int, moe_layers: list[bool],
+                 notice: Callable[[str], None]) -> None:
+        self._source = source
+        self.n_layers = n_layers
+        self.n_experts = n_experts
+        self.moe_layers = moe_layers
+        self._notice = notice
+        self._slots = max(1, min(int(slots), n_experts))
+        self._cond = threading.Condition()
+        self._clock = 0
+        self._hits = np.zeros(n_layers, dtype=np.int64)
+        self._misses = np.zeros(n_layers, dtype=np.int64)
+        self._bytes_read = 0
+        self._prefetch_reads = 0
+        self._in_ram = np.zeros((n_layers, n_experts), dtype=np.int8)  # 1 where a slot holds it, ready
+        self._pool = None  # background readers for acquire
+        self._layers = [self._new_layer(self._slots) if moe else None for moe in moe_layers]
+        self._tier = None
+        self._tier_report: dict = {}
+
+    def _new_layer(self, slots: int) -> dict:
+        return {
+            "store": hugepages.empty((slots, self._source.blob_nbytes), np.uint8),
+            "expert": np.full(slots, -1, dtype=np.int64),  # expert held by each slot
+            "slot_of": np.full(self.n_experts, -1, dtype=np.int64),
+            "last": np.zeros(slots, dtype=np.int64),
+            "busy": np.zeros(slots, dtype=np.int64),  # in-use refcount
+            "loading": np.zeros(slots, dtype=np.bool_),
+            "pinned": np.zeros(slots, dtype=np.bool_),
+        }
+
+    # -- the GPU tier --------------------------------------------------------------
+    def attach_tier(self, opts: TierOptions, plan_file: str | None = None) -> None:
+        """Open the tier and warm it (heat order from `plan_file`, else index order); on any
+        device trouble the store runs without it, after one notice."""
+        from tierlab.engine.tiers.opencl_tier import OpenCLTier
+
+        if not opts.enabled:
+            return
+        source = self._source
+        try:
+            tier = OpenCLTier.open(source.kind, source.hidden, source.inter, source.blob_nbytes,
+                                   budget=opts.budget, device=opts.device, notice=self._notice)
+        except ValueError as exc:  # a malformed TIER_GB
+            raise TierlabError(str(exc)) from None
+        if tier is None:
+            return
+        self._tier = tier
+        self._tier_report = {"device": tier.device_label, "capacity": tier.capacity}
+        if opts.warmstart:
+            self._warm(tier, plan_file)
+
+    def _warm(self, tier, plan_file: str | None) -> None:
+        from tierlab.engine.tiers.warmstart import warmstart
+
+        report = warmstart(tier, self._source.read, self.n_layers, self.n_experts, heat_file=plan_file,
+                           moe_layers=self.moe_layers)
+        self._tier_report.update(warmstart=report.order, uploaded=report.uploaded, bytes=int(tier.stats.bytes),
+                                 seconds=report.seconds)
+        self._notice(f"GPU tier on {tier.device_label}: {report.uploaded} experts resident ({report.order} order, "
+                     f"{tier.stats.bytes / 2**20:.1f} MiB)")
+
+    @property
+    def has_tier(self) -> bool:
+        return self._tier is not None
+
+    def tier_report(self) -> dict | None:
+        """The attached tier: device, capacity, warmstart order, uploads, bytes, seconds; None without one."""
+        return dict(self._tier_report) if self._tier is not None else None
+
+    def _tier_enqueue(self, tier, layer: int, experts: list[int], x: np.ndarray):
+        try:
+            return tier.enqueue(layer, experts, np.ascontiguousarray(x, dtype=np.float32))
+        except TierFailure as exc:
+            self._drop_tier(tier, exc)
+            return None
+
+    def _tier_collect(self, tier, handle):
+        try:
+            return tier.collect(handle)
+        except TierFailure as exc:
+            self._drop_tier(tier, exc)
+            return None
+
+    def _drop_tier(self, tier, exc: TierFailure) -> None:
+        """The device failed: carry on with the CPU, saying so once (the tier says why when it
+        disabled itself)."""
+        if self._tier is not tier:
+            return
+        self._tier = None
+        if not tier.failed:
+            self._notice(f"GPU tier off: {exc}; experts run on the CPU")
+        tier.close()
+
+    # -- queries ---------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        """RAM slots per MoE layer."""
+        return self._slots
+
+    def levels(self, layer: int) -> np.ndarray:
+        """Residency level of every expert of a layer, int8[E]: 2 GPU tier, 1 RAM cache, 0 disk."""
+        level = self._in_ram[layer].copy()
+        tier = self._tier
+        if tier is not None:
+            level[tier.resident_mask(layer, self.n_experts)] = LEVEL_GPU
+        return level
+
+    def in_ram(self, layer: int, expert: int) -> bool:
+        return bool(self._in_ram[layer, expert])
+
+    def pinned(self, layer: int) -> list[int]:
+        """The experts of a layer whose RAM slots are pinned."""
+        st = self._layers[layer]
+        with self._cond:
+            return [int(e) for e, p in zip(st["expert"], st["pinned"]) if p and e >= 0]
+
+    def can_group(self) -> bool:
+        """A prompt's experts may be computed per expert when no expert can be evicted mid-prompt
+        (every expert has a RAM slot) and no GPU tier takes a share of them."""
+        return self._tier is None and self._slots >= self.n_experts
+
+    def stats(self) -> StoreStats:
+        tier = self._tier
+        return StoreStats(
+            hits=self._hits.copy(), misses=self._misses.copy(), bytes_read=int(self._bytes_read),
+            prefetch_reads=int(self._prefetch_reads), slots=self._slots, tier_on=tier is not None,
+            tier_residents=int(tier.stats.residents) if tier is not None else 0,
+            tier_uploads=int(tier.stats.uploads) if tier is not None else 0,
+            tier_bytes=int(tier.stats.bytes) if tier is not None else 0,
+            expert_kind=self._source.kind, blob_nbytes=int(self._source.blob_nbytes),
+        )
+
+    def reset_counters(self) -> None:
+        self._hits[:] = 0
+        self._misses[:] = 0
+        self._bytes_read = 0
+        self._prefetch_reads = 0
+
+    # -- computing a token's experts ---------------------------------------------------
+    def compute(self, layer: int, chosen: np.ndarray, x: np.ndarray, outputs: np.ndarray,
+                timers: dict) -> tuple[int, int, list[int]]:
+        """outputs[s] = expert chosen[s] applied to x, unweighted, for every slot with chosen[s] >= 0.
+
+        GPU-resident experts run on the device while the CPU computes the rest from RAM (a
+        token's misses after the first are read in the background while earlier experts
+        compute). Adds to timers "fetch", "compute" and "tier". Returns (RAM hits, RAM
+        misses, the slots the device computed).
+        """
+        K = chosen.shape[0]
+        source = self._source
+        hits = misses = 0
+        on_gpu: list[int] = []
+        tier = self._tier
+        if tier is not None:
+            on_gpu = [s for s in range(K) if chosen[s] >= 0 and tier.is_resident(layer, int(chosen[s]))]
+        handle = None
+        if on_gpu:
+            handle = self._tier_enqueue(tier, layer, [int(chosen[s]) for s in on_gpu], x)
+            if handle is None:
+                on_gpu = []
+        cpu_slots = [s for s in range(K) if chosen[s] >= 0 and s not in on_gpu]
+        held = self.acquire(layer, [int(chosen[s]) for s in cpu_slots]) if len(cpu_slots) > 1 else None
+        if held is not None:
+            try:
+                for i, s in enumerate(cpu_slots):
+                    t0 = time.perf_counter()
+                    blob = self.blob(held, i)
+                    t1 = time.perf_counter()
+                    source.forward(blob, x, outputs[s], 1.0)
+                    timers["fetch"] += t1 - t0
+                    timers["compute"] += time.perf_counter() - t1
+                    if held.hit(i):
+                        hits += 1
+                    else:
+                        misses += 1
+            finally:
+                self.release(held)
+            cpu_slots = []
+        for s in cpu_slots:
+            e = int(chosen[s])
+            t0 = time.perf_counter()
+            blob, hit = self._acquire_one(layer, e)
+            t1 = time.perf_counter()
+            try:
+                source.forward(blob, x, outputs[s], 1.0)
+            finally:
+                self._release_one(layer, e)
+            timers["fetch"] += t1 - t0
+            timers["compute"] += time.perf_counter() - t1
+            if hit:
+                hits += 1
+            else:
+                misses += 1
+        if handle is not None:
+            t0 = time.perf_counter()
+            results = self._tier_collect(tier, handle)
+            timers["tier"] += time.perf_counter() - t0
+            if results is None:  # the tier failed mid-token: compute these on the CPU
+                for s in on_gpu:
+                    e = int(chosen[s])
+                    blob, hit = self._acquire_one(layer, e)
+                    try:
+                        source.forward(blob, x, outputs[s], 1.0)
+                    finally:
+                        self._release_one(layer, e)
+                    hits += int(hit)
+                    misses += int(not hit)
+                on_gpu = []
+            else:
+                for i, s in enumerate(on_gpu):
+                    outputs[s] = results[i]
+        return hits, misses, on_gpu
+
+    def forward_tokens(self, blob: np.ndarray, xs: np.ndarray) -> np.ndarray:
+        """One expert (a RAM blob from `blob`) on several tokens at once: float32[T, H], each row
+        bit-identical to the one-token kernel."""
+        source = self._source
+        return expert_forward_tokens(source.kind, blob, source.hidden, source.inter, xs)
+
+    # -- holding RAM slots ---------------------------------------------------------------
+    def acquire(self, layer: int, experts: list[int]) -> HeldExperts | None:
+        """Claim RAM slots for all of one token's experts at once, counting hits and misses; a
+        token's resident experts are held before its misses pick victims (the K experts of a
+        token are needed together). Misses after the first are read in the background; `blob`
+        waits for one. None when the layer has fewer slots than experts (or an expert twice).
+        Pair with `release`."""
+        if len(experts) > self._slots or len(set(experts)) != len(experts):
+            return None
+        st = self._layers[layer]
+        plan: list = [None] * len(experts)
+        with self._cond:
+            # first hold the experts already resident, so that loading this token's misses
+            # never evicts one of its own hits; then claim slots for the misses in rank order
+            resident = [i for i, e in enumerate(experts)
+                        if st["slot_of"][e] >= 0 and not st["loading"][st["slot_of"][e]]]
+            for i in resident + [i for i in range(len(experts)) if i not in resident]:
+                plan[i] = (experts[i], *self._take(layer, experts[i]))
+        held = HeldExperts(layer, plan)
+        missing = [(e, s) for e, s, must in plan if must]
+        for e, s in missing[1:]:
+            held.futures[e] = self._readers().submit(self._load, layer, e, s)
+        return held
+
+    def blob(self, held: HeldExperts, i: int) -> np.ndarray:
+        """The i-th held expert's bytes, waiting for (or doing) its read."""
+        e, s, must_load = held.plan[i]
+        if must_load and e not in held.loaded:
+            future = held.futures.get(e)
+            if future is not None:
+                future.result()
+            else:
+                self._load(held.layer, e, s)
+            held.loaded.add(e)
+        return self._layers[held.layer]["store"][s]
+
+    def release(self, held: HeldExperts) -> None:
+        """Release every slot; wait for background reads; abandon loads that never started."""
+        st = self._layers[held.layer]
+        for e, s, must_load in held.plan:
+            future = held.futures.get(e)
+            if future is not None:
+                try:
+                    future.result()
+                except Exception:
+                    pass
+            elif must_load and e not in held.loaded:
+                with self._cond:
+                    st["loading"][s] = False
+                    st["expert"][s] = -1
+                    st["slot_of"][e] = -1
+        with self._cond:
+            for e, s, _ in held.plan:
+                if st["busy"][s] > 0:
+                    st["busy"][s] -= 1
+            self._cond.notify_all()
+
+    def _acquire_one(self, layer: int, expert: int) -> tuple[np.ndarray, bool]:
+        """The expert's blob, loading it on a miss; counts a hit or miss. Pair with _release_one."""
+        st = self._layers[layer]
+        with self._cond:
+            s, must_load = self._take(layer, expert)
+        if must_load:
+            try:
+                self._load(layer, expert, s)
+            except BaseException:
+                with self._cond:
+                    st["busy"][s] -= 1
+                raise
+        return st["store"][s], not must_load
+
+    def _release_one(self, layer: int, expert: int) -> None:
+        st = self._layers[layer]
+        with self._cond:
+            s = int(st["slot_of"][expert])
+            if s >= 0 and st["busy"][s] > 0:
+                st["busy"][s] -= 1
+                self._cond.notify_all()
+
+    def _take(self, layer: int, expert: int) -> tuple[int, bool]:
+        """Under the lock: claim the expert's slot, mark it in use and recent, count hit or miss."""
+        st = self._layers[layer]
+        s, must_load = self._claim(layer, expert)
+        st["busy"][s] += 1
+        self._clock += 1
+        st["last"][s] = self._clock
+        if must_load:
+            self._misses[layer] += 1
+        else:
+            self._hits[layer] += 1
+        return s, must_load
+
+    def _victim(self, layer: int, st: dict) -> int:
+        free = np.flatnonzero(st["expert"] < 0)
+        if free.size:
+            return int(free[0])
+        tier = self._tier
+        best = -1
+        best_key = None
+        for s in range(st["expert"].shape[0]):
+            if st["busy"][s] or st["loading"][s]:
+                continue
+            on_gpu = tier is not None and tier.is_resident(layer, int(st["expert"][s]))
+            # smaller key = better victim: GPU-held first, then unpinned, then LRU
+            key = (0 if on_gpu else 1, 1 if st["pinned"][s] else 0, int(st["last"][s]))
+            if best_key is None or key < best_key:
+                best, best_key = s, key
+        return best
+
+    def _claim(self, layer: int, expert: int) -> tuple[int, bool]:
+        """Under the lock: the slot for `expert`, and whether it must be loaded."""
+        st = self._layers[layer]
+        while True:
+            s = int(st["slot_of"][expert])
+            if s >= 0:
+                if st["loading"][s]:
+                    self._cond.wait()
+                    continue
+                return s, False
+            s = self._victim(layer, st)
+            if s < 0:  # every slot busy or loading: wait for one to free up
+                self._cond.wait()
+                continue
+            old = int(st["expert"][s])
+            if old >= 0:
+                st["slot_of"][old] = -1
+                self._in_ram[layer, old] = 0
+            st["expert"][s] = expert
+            st["slot_of"][expert] = s
+            st["loading"][s] = True
+            st["pinned"][s] = False
+            return s, True
+
+    def _load(self, layer: int, expert: int, s: int) -> None:
+        st = self._layers[layer]
+        try:
+            self._source.read(layer, expert, st["store"][s])
+        except BaseException:
+            with self._cond:
+                st["loading"][s] = False
+                st["expert"][s] = -1
+                st["slot_of"][expert] = -1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            st["loading"][s] = False
+            self._in_ram[layer, expert] = 1
+            self._bytes_read += self._source.blob_nbytes
+            self._cond.notify_all()
+
+    def _readers(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierlab-read")
+        return self._pool
+
+    # -- prefetch, pins, shape -------------------------------------------------------------
+    def prefetch(self, layer: int, expert: int) -> bool:
+        """Load into RAM without counting a hit or miss (PILOT, HOT); True if a read was issued."""
+        st = self._layers[layer]
+        if st is None:
+            return False
+        with self._cond:
+            s = int(st["slot_of"][expert])
+            if s >= 0:
+                return False
+            s = self._victim(layer, st)
+            if s < 0:
+                return False
+            s, must_load = self._claim(layer, expert)
+        if must_load:
+            self._load(layer, expert, s)
+            with self._cond:
+                self._prefetch_reads += 1
+        return must_load
+
+    def pin(self, layer: int, experts) -> None:
+        """Mark these experts' slots as pinned (they are evicted last)."""
+        st = self._layers[layer]
+        with self._cond:
+            for e in experts:
+                s = int(st["slot_of"][int(e)])
+                if s >= 0:
+                    st["pinned"][s] = True
+
+    def pin_hot(self, heat: np.ndarray, n: int) -> None:
+        """Load and pin the n most-routed experts of each MoE layer (HOT=n); heat is int64[L, E]."""
+        for layer, is_moe in enumerate(self.moe_layers):
+            if not is_moe:
+                continue
+            hot = [int(e) for e in np.argsort(-heat[layer], kind="stable")[:n] if heat[layer, e] > 0]
+            for e in hot[: self._slots]:
+                self.prefetch(layer, e)
+            self.pin(layer, hot[: self._slots])
+
+    def clear(self) -> None:
+        """Empty every RAM slot (a cold start for the next run); counters and the GPU tier's
+        warmstart residents are kept."""
+        with self._cond:
+            for layer, st in enumerate(self._layers):
+                if st is None:
+                    continue
+                while np.any(st["busy"]) or np.any(st["loading"]):
+                    self._cond.wait()
+                st["expert"][:] = -1
+                st["slot_of"][:] = -1
+                st["last"][:] = 0
+                st["pinned"][:] = False
+            self._in_ram[:] = 0
+
+    def set_slots(self, slots: int) -> None:
+        """Change the RAM slots per layer, keeping the most recently used experts."""
+        slots = max(1, min(int(slots), self.n_experts))
+        with self._cond:
+            if slots == self._slots:
+                return
+            for layer, st in enumerate(self._layers):
+                if st is None:
+                    continue
+                while np.any(st["busy"]) or np.any(st["loading"]):
+                    self._cond.wait()
+                new = self._new_layer(slots)
+                held = [s for s in np.argsort(-st["last"]) if st["expert"][s] >= 0][:slots]
+                for i, s in enumerate(held):
+                    e = int(st["expert"][s])
+                    new["store"][i] = st["store"][s]
+                    new["expert"][i] = e
+                    new["slot_of"][e] = i
+                    new["last"][i] = st["last"][s]
+                    new["pinned"][i] = st["pinned"][s]
+                self._in_ram[layer, :] = 0
+                for e in new["expert"]:
+                    if e >= 0:
+                        self._in_ram[layer, e] = 1
+                self._layers[layer] = new
+            self._slots = slots
+
+    def close(self) -> None:
+        """Stop the background readers, release the source's files and the device."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._source.close()
+        if self._tier is not None:
+            self._tier.close()
+            self._tier = None

@@ -1,0 +1,55 @@
+"""HEAT_FILE for one process: the profile read at start, this run's routing counts, the write on close.
+
+The profile read at start plans the GPU tier's warmstart; on close the file
+gets that profile plus every routing of this process (never reset by the
+meters), written atomically, so each run adds to what the earlier ones saw.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from tierlab.engine.errors import FormatError
+from tierlab.engine.heat import HeatProfile
+
+
+class HeatLog:
+    def __init__(self, path: str | None, n_layers: int, n_experts: int) -> None:
+        """Reads the profile at `path` if it exists (FormatError names the file if it is bad)."""
+        self.path = path
+        self.n_layers = n_layers
+        self.n_experts = n_experts
+        self.base = HeatProfile.read(path, n_layers, n_experts) if path and Path(path).exists() else None
+        self.counts = np.zeros((n_layers, n_experts), dtype=np.int64)  # routings of this process
+
+    @property
+    def plan_file(self) -> str | None:
+        """The file to plan a warmstart from: HEAT_FILE if it existed at start."""
+        return self.path if self.base is not None else None
+
+    def record(self, layer: int, experts: np.ndarray) -> None:
+        self.counts[layer, experts] += 1
+
+    def write(self, notice: Callable[[str], None]) -> str | None:
+        """Write base profile + this run's counts to HEAT_FILE atomically; returns the path written.
+
+        A read-only file is kept as it is; a failed write is one notice, never an exception.
+        """
+        path = self.path
+        if not path:
+            return None
+        if Path(path).exists() and not Path(path).stat().st_mode & 0o222:  # mode bits: root ignores access()
+            notice(f"{path}: read-only heat profile kept as it is")
+            return None
+        counts = self.counts.copy()
+        if self.base is not None:
+            counts += self.base.counts
+        try:
+            HeatProfile(self.n_layers, self.n_experts, counts).write(path)
+        except (OSError, FormatError) as exc:
+            notice(f"{path}: heat profile not written ({getattr(exc, 'strerror', None) or exc})")
+            return None
+        return str(path)
