@@ -220,7 +220,7 @@ class Engine:
         per_token_ms = {k: 1000.0 * v / T for k, v in timers.items()}
         seq = self.knobs.seq
         store = read_store_counters(self)
-        gpu_tier = self.tier is not None
+        gpu_tier = self.store.has_tier
         listeners = list(self._listeners)
         for t in range(T):
             layers = [routes[t] for routes in routes_by_layer if routes]
