@@ -4,7 +4,7 @@ Why: the numba kernels and the OpenCL tier must agree byte for byte with one
 readable definition of the format. These helpers are that definition; they are
 written for clarity and exactness (float64 where it matters), not for speed.
 A compiled twin at the end (quantize_fast, build_blob_fast) gives the same
-bytes ~4x faster for the converter.
+bytes fast enough for the converter.
 
 Format summary (see docs/formats.md, "Quantised expert container"):
 - symmetric per group of ``GROUP`` (64) consecutive columns of a row;
@@ -127,8 +127,8 @@ def expert_reference(gate: np.ndarray, up: np.ndarray, down: np.ndarray, x: np.n
 
 
 # --- fast path for the converter -------------------------------------------------------------
-# The numpy reference above runs at ~25 Mweights/s, i.e. ~20 minutes for the
-# 31 G expert weights of Qwen3.6-35B-A3B. This numba twin makes the same
+# The numpy reference above is too slow for the 31 G expert weights of
+# Qwen3.6-35B-A3B (docs/benchmarks.md, "Converter"). This numba twin makes the same
 # float64 decisions (same division, same round-half-even, same float32 scale),
 # so its bytes are identical; tests compare the converter's blobs with
 # build_blob.

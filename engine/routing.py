@@ -4,14 +4,14 @@ The MoE router ranks experts by probability; this module may swap the tail
 of that top-K for experts that are already resident (GPU tier, then RAM
 cache), trading a little fidelity for far fewer disk reads. Three strategies:
 
-- ``maxrank`` (the seed's): keep the true top-J, fill the other slots with
+- ``maxrank``: keep the true top-J, fill the other slots with
   resident experts ranked inside a window of M (or of mass P when 0<P<1).
 - ``cumprob``: the same fill, but the window is set by cumulative mass P
   alone (M does not bound it); P outside (0, 1) falls back to ``maxrank``.
 - ``prior`` (Cache-Prior): re-rank with logits biased towards resident
   experts by lambda times a per-layer EMA of the logit range; top-J kept.
 
-``route_select`` is the pure contract of REFERENCE.md §2, written for
+``route_select`` is the pure contract of docs/routing.md ("The three strategies"), written for
 reading; ``route_select_numba`` is its twin for the hot path, and the tests
 hold them equal. ``plain_topk`` is the stock router's choice (softmax
 order, top-K, optional renormalisation) that every path starts from.
@@ -36,7 +36,7 @@ from tierlab.engine.knobs import KnobValues
 LEVEL_GPU = 2
 LEVEL_RAM = 1
 
-# Guards of the KL meter (REFERENCE.md §2).
+# Guards of the KL meter (docs/routing.md, "Meters").
 KL_GUARD = 1e-20
 KL_MISSING = 1e-12
 
@@ -93,7 +93,7 @@ def _chosen_values(probs, chosen: list[int], true_set: set[int], K: int, alpha: 
 def topk_kl(true_ids, true_mass, chosen_ids, chosen_mass) -> float:
     """KL(true top-K mass || chosen mass) in nats, each side normalised over its own set.
 
-    The meter of REFERENCE.md §2: 1e-20 guards, and a true expert that was not
+    The meter of docs/routing.md: 1e-20 guards, and a true expert that was not
     chosen counts with probability 1e-12. Ids of -1 (unfilled) are ignored.
     """
     true = [(e, float(m)) for e, m in zip(true_ids, true_mass) if e >= 0]
@@ -129,7 +129,7 @@ def _finish(probs, level, chosen: list[int], true_topk: list[int], K: int, alpha
 
 
 def route_select(probs, mask, level, K: int, J: int, M: int, P: float, alpha: float):
-    """REFERENCE.md §2, step by step: returns (idx int32[K], val float32[K], RouteStats).
+    """The maxrank contract of docs/routing.md, step by step: returns (idx int32[K], val float32[K], RouteStats).
 
     ``val`` holds the weights after alpha and before renormalisation; unfilled
     slots have idx -1 and val 0.
@@ -534,7 +534,7 @@ class Router:
 
 
 def format_footer(knobs: KnobValues, summary: dict) -> list[str]:
-    """The seed engine's footer lines from a meter summary (engine/meters.py; rates as fractions).
+    """The footer lines (`CACHE_ROUTE J=.. | swap ..%`, `route_agree ..`) from a meter summary (engine/meters.py; rates as fractions).
 
     Empty when neither the lever nor its meters are on. As in the seed,
     routing nothing reads as 100% agreement and KL 0.

@@ -31,7 +31,7 @@ class EngineSurface(Protocol):
     tokenizer: Tokenizer | None
     model_dir: Path
     notices: list[str]  # lines for the user not yet shown; the reader pops them
-    router: Router | None  # the routing lever and its meters
+    router: Router | None  # the routing lever (None: plain top-K only)
     heat: np.ndarray  # int64[L, E] routings since the last reset_meters
     timers: dict[str, float]  # seconds per phase, summed over all passes
     tokens_timed: int
@@ -58,7 +58,6 @@ class EngineSurface(Protocol):
 
     # -- meters and weights ------------------------------------------------------------
     def meters(self) -> dict: ...
-    def oracle_hit(self) -> float: ...
     def reset_meters(self) -> None: ...
     def weight_nbytes(self) -> dict: ...
     def dense_matrices(self) -> list: ...

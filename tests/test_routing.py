@@ -1,4 +1,4 @@
-"""The routing contract (REFERENCE.md §2), pinned without a model."""
+"""The routing contract (docs/routing.md), pinned without a model."""
 
 from __future__ import annotations
 

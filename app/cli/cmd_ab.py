@@ -1,4 +1,4 @@
-"""`tierlab ab`: the seed's A/B table, rows of settings side by side in one run."""
+"""`tierlab ab`: the A/B table, rows of settings side by side in one run."""
 
 from __future__ import annotations
 

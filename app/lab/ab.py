@@ -1,6 +1,6 @@
-"""A/B runs as in the seed PR: rows of settings, one table.
+"""A/B runs: rows of settings, one table.
 
-Protocol (the seed's): every row starts cold (empty RAM cache, fresh router
+Protocol: every row starts cold (empty RAM cache, fresh router
 state); the first run of each row is a discarded warm-up whose routing
 meters are kept (they are deterministic); then `repeat` rounds run the rows
 interleaved, so a noisy neighbour hurts every row alike, and the timing

@@ -1,4 +1,4 @@
-"""The A/B table of the seed PR: one row per configuration, one column per figure.
+"""The A/B table: one row per configuration, one column per figure.
 
 A row is a dict keyed by the meter catalogue (engine/meters.py), which
 also says each column's title, unit and format: rates (``ram_hit``,

@@ -1,4 +1,4 @@
-"""Evaluation runs of the seed engine: reference matching, teacher-forced NLL, meters.
+"""Evaluation runs: reference matching, teacher-forced NLL, meters.
 
 A reference file is `{"prompt_ids": [...], "full_ids": [...]}`. `run_eval`
 greedy-decodes the continuation and counts position-by-position matches,
@@ -152,7 +152,7 @@ def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = Fal
 
 
 def format_report(engine: Engine, result: dict) -> list[str]:
-    """The seed's footer lines, in its order (`result` as run_eval returns it)."""
+    """The footer lines of an eval run, in their fixed order (`result` as run_eval returns it)."""
     lines = [f"Matching tokens: {result['matching']}/{result['total']}"]
     if result.get("tf_nll") is not None:
         lines.append(f"TF-NLL: {result['tf_nll']:.4f} nats/token over {result['tf_tokens']} tokens | ppl = {result['ppl']:.4f}")

@@ -177,7 +177,7 @@ class TierlabApp(App):
 
     def _engine_ready(self, engine: EngineSurface) -> None:
         # The model, its kernels and the widget tree live as long as the app: leave them out of the
-        # collector's full passes, which otherwise stop both threads for ~0.1 s while tokens stream.
+        # collector's full passes, which otherwise stop both threads for a visible pause while tokens stream.
         gc.freeze()
         self.engine = engine
         self.watch = EngineWatch(engine)
@@ -447,7 +447,7 @@ class TierlabApp(App):
             self.push_screen(SessionsScreen())
 
     def action_save_heat(self, path: str | Path | None = None) -> Path | None:
-        """Write this session's routing counts as a heat profile (seed format)."""
+        """Write this session's routing counts as a heat profile (docs/formats.md)."""
         from tierlab.app.tui.files import save_session_heat
 
         if self.engine is None:
