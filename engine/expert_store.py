@@ -14,6 +14,13 @@ the least-recently-used unpinned one, then the least-recently-used pinned
 one; never a slot being loaded or in use. Prefetch (PILOT) and pins (HOT)
 fill and protect slots without counting hits or misses.
 
+The prefetch ledger (PILOT's reads only): a slot PILOT loaded carries the
+pass it was predicted for until its first use or eviction. Its first demand
+hit is a prefetch hit, one saved miss; a hit in that same pass is a hit for
+the token it was fetched for, and records how many layers ahead the read
+finished (the layer using it minus the layer the engine was at when the read
+completed; `ledger_position` says where the engine is).
+
 A device failure (`TierFailure`) is handled here: the store drops the tier,
 says so once through its notice callback, and computes on the CPU.
 
@@ -69,6 +76,19 @@ class StoreStats:
         return self.ram_hits / total if total else 0.0
 
 
+@dataclass(frozen=True)
+class PrefetchLedger:
+    """PILOT's reads per layer (int64[n_layers] each), since the store's last `reset_counters`."""
+
+    ISSUED, HITS, OWN, AHEAD = range(4)  # rows of the store's count array
+
+    issued: np.ndarray  # reads PILOT issued (the expert was not resident)
+    hits: np.ndarray  # of those, hit by a later demand before eviction: misses saved
+    own: np.ndarray  # of the hits, by the token (pass) the read was predicted for
+    ahead_sum: np.ndarray  # over the own hits: layers between the read's completion and its use
+    blob_nbytes: int  # bytes of one read
+
+
 class HeldExperts:
     """One token's experts held in RAM slots (from `ExpertStore.acquire`, until `release`).
 
@@ -104,6 +124,8 @@ class ExpertStore:
         self._bytes_read = 0
         self._prefetch_reads = 0
         self._in_ram = np.zeros((n_layers, n_experts), dtype=np.int8)  # 1 where a slot holds it, ready
+        self._ledger = np.zeros((4, n_layers), dtype=np.int64)  # PrefetchLedger's rows, per layer
+        self._at = (-1, -1)  # (pass, layer) the engine is at, for the ledger
         self._pool = None  # background readers for acquire
         self._layers = [self._new_layer(self._slots) if moe else None for moe in moe_layers]
         self._tier = None
@@ -118,6 +140,8 @@ class ExpertStore:
             "busy": np.zeros(slots, dtype=np.int64),  # in-use refcount
             "loading": np.zeros(slots, dtype=np.bool_),
             "pinned": np.zeros(slots, dtype=np.bool_),
+            "pf_pass": np.full(slots, -1, dtype=np.int64),  # pass a PILOT read was for, until first use
+            "pf_done": np.full((slots, 2), -1, dtype=np.int64),  # (pass, layer) when that read completed
         }
 
     # -- the GPU tier --------------------------------------------------------------
@@ -227,6 +251,11 @@ class ExpertStore:
         self._misses[:] = 0
         self._bytes_read = 0
         self._prefetch_reads = 0
+        with self._cond:  # the ledger counts only reads issued after the reset
+            self._ledger[:] = 0
+            for st in self._layers:
+                if st is not None:
+                    st["pf_pass"][:] = -1
 
     # -- computing a token's experts ---------------------------------------------------
     def compute(self, layer: int, chosen: np.ndarray, x: np.ndarray, outputs: np.ndarray,
@@ -399,6 +428,8 @@ class ExpertStore:
             self._misses[layer] += 1
         else:
             self._hits[layer] += 1
+            if st["pf_pass"][s] >= 0:
+                self._ledger_hit(layer, st, s)
         return s, must_load
 
     def _victim(self, layer: int, st: dict) -> int:
@@ -440,6 +471,7 @@ class ExpertStore:
             st["slot_of"][expert] = s
             st["loading"][s] = True
             st["pinned"][s] = False
+            st["pf_pass"][s] = -1
             return s, True
 
     def _load(self, layer: int, expert: int, s: int) -> None:
@@ -457,6 +489,9 @@ class ExpertStore:
             st["loading"][s] = False
             self._in_ram[layer, expert] = 1
             self._bytes_read += self._source.blob_nbytes
+            if st["pf_pass"][s] >= 0:
+                st["pf_done"][s] = self._at
+                self._ledger[PrefetchLedger.ISSUED, layer] += 1
             self._cond.notify_all()
 
     def _readers(self):
@@ -467,8 +502,10 @@ class ExpertStore:
         return self._pool
 
     # -- prefetch, pins, shape -------------------------------------------------------------
-    def prefetch(self, layer: int, expert: int) -> bool:
-        """Load into RAM without counting a hit or miss (PILOT, HOT); True if a read was issued."""
+    def prefetch(self, layer: int, expert: int, for_pass: int | None = None) -> bool:
+        """Load into RAM without counting a hit or miss (PILOT, HOT); True if a read was issued.
+
+        `for_pass` (PILOT): the pass the read is for; the read then enters the prefetch ledger."""
         st = self._layers[layer]
         if st is None:
             return False
@@ -480,11 +517,36 @@ class ExpertStore:
             if s < 0:
                 return False
             s, must_load = self._claim(layer, expert)
+            if must_load and for_pass is not None:
+                st["pf_pass"][s] = int(for_pass)
         if must_load:
             self._load(layer, expert, s)
             with self._cond:
                 self._prefetch_reads += 1
         return must_load
+
+    def ledger_position(self, pass_no: int, layer: int) -> None:
+        """Where the engine is (PILOT calls it after each layer's mixer; pass -1: a pass without PILOT)."""
+        self._at = (int(pass_no), int(layer))
+
+    def _ledger_hit(self, layer: int, st: dict, s: int) -> None:
+        """Under the lock: the first demand hit on a slot PILOT loaded."""
+        ledger = self._ledger
+        ledger[PrefetchLedger.HITS, layer] += 1
+        at_pass, _ = self._at
+        done_pass, done_layer = (int(v) for v in st["pf_done"][s])
+        if at_pass >= 0 and int(st["pf_pass"][s]) == at_pass == done_pass and 0 <= done_layer <= layer:
+            ledger[PrefetchLedger.OWN, layer] += 1
+            ledger[PrefetchLedger.AHEAD, layer] += layer - done_layer
+        st["pf_pass"][s] = -1
+
+    def prefetch_ledger(self) -> "PrefetchLedger":
+        """PILOT's reads, their hits and how early they finished, per layer, since the last reset."""
+        with self._cond:
+            counts = self._ledger.copy()
+        return PrefetchLedger(counts[PrefetchLedger.ISSUED], counts[PrefetchLedger.HITS],
+                              counts[PrefetchLedger.OWN], counts[PrefetchLedger.AHEAD],
+                              int(self._source.blob_nbytes))
 
     def pin(self, layer: int, experts) -> None:
         """Mark these experts' slots as pinned (they are evicted last)."""
@@ -518,6 +580,7 @@ class ExpertStore:
                 st["slot_of"][:] = -1
                 st["last"][:] = 0
                 st["pinned"][:] = False
+                st["pf_pass"][:] = -1
             self._in_ram[:] = 0
 
     def set_slots(self, slots: int) -> None:

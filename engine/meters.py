@@ -67,6 +67,22 @@ CATALOGUE: tuple[Meter, ...] = (
     Meter("route_kl", "KL", "KL", NATS, ".2f", "6.3f", "KL(true top-K || chosen), nats"),
     Meter("ids_match", "ids match", "ids match", TEXT, "", "", "greedy ids equal to the reference (m/n)"),
     Meter("tf_nll", "TF-NLL", "TF-NLL", NATS, ".4f", "7.4f", "teacher-forced NLL of the reference, nats/token"),
+    # -- the oracle band (app/lab/oracle.py): the engine's LRU replayed on the same window at other sizes --
+    Meter("lru_half", "LRU ½×", "LRU ½×", RATE, ".1f", "5.1f", "hit rate of an LRU cache of half the slots"),
+    Meter("lru_1x", "LRU 1×", "LRU 1×", RATE, ".1f", "5.1f", "hit rate of an LRU cache of the same slots"),
+    Meter("lru_2x", "LRU 2×", "LRU 2×", RATE, ".1f", "5.1f", "hit rate of an LRU cache of twice the slots"),
+    Meter("lru_4x", "LRU 4×", "LRU 4×", RATE, ".1f", "5.1f", "hit rate of an LRU cache of four times the slots"),
+    Meter("lru_all_but_one", "LRU E-1", "LRU E-1", RATE, ".1f", "5.1f",
+          "hit rate of an LRU cache holding all but one expert per layer"),
+    # -- the prefetch ledger (PILOT; engine/expert_store.py) --
+    Meter("prefetch_precision", "prefetch precision", "pf precision", RATE, ".1f", "5.1f",
+          "PILOT reads used by the token they were read for"),
+    Meter("prefetch_recall", "prefetch recall", "pf recall", RATE, ".1f", "5.1f",
+          "would-be misses that PILOT turned into hits"),
+    Meter("prefetch_ahead", "prefetch ahead", "pf ahead", "layers", ".2f", "5.2f",
+          "layers between a PILOT read finishing and its use (mean)"),
+    Meter("prefetch_bytes_per_saved", "prefetch bytes/saved", "pf bytes/saved", "ratio", ".2f", "5.2f",
+          "bytes PILOT read per byte of miss it saved"),
 )
 METER_BY_KEY: dict[str, Meter] = {m.key: m for m in CATALOGUE}
 
@@ -215,4 +231,39 @@ class MeterFold:
         if "prefetch_hits" in self.store:
             without = max(self.ram_hits - self.store["prefetch_hits"], 0)
             out["ram_hit_without_prefetch"] = without / requests if requests else None
+        out.update(prefetch_ledger_meters(self.store, self.layer_misses))
         return out
+
+
+# --- the prefetch ledger: PILOT's reads as meters ---------------------------------------------
+
+
+def prefetch_ledger_meters(store: Mapping[str, Any], layer_misses: list[int]) -> dict[str, Any]:
+    """Precision, recall, layers ahead and bytes per saved byte, overall and per layer (lists).
+
+    From the store counters `Pilot.meters` adds (totals since the last reset)
+    and the fold's misses per layer; every figure is None without PILOT or
+    without samples (docs/tiers.md, the prefetch ledger).
+    """
+    layers = store.get("prefetch_layers")
+    out: dict[str, Any] = {"prefetch_precision": None, "prefetch_recall": None, "prefetch_ahead": None,
+                           "prefetch_bytes_per_saved": None, "prefetch_layer_precision": None,
+                           "prefetch_layer_recall": None, "prefetch_layer_ahead": None}
+    if layers is None:
+        return out
+
+    def ratios(issued: int, hits: int, own: int, ahead: int, misses: int) -> tuple:
+        return (own / issued if issued else None, hits / (misses + hits) if misses + hits else None,
+                ahead / own if own else None)
+
+    misses = list(layer_misses) + [0] * max(0, len(layers["issued"]) - len(layer_misses))
+    per_layer = [ratios(*counts) for counts in zip(layers["issued"], layers["hits"], layers["own"],
+                                                    layers["ahead_sum"], misses)]
+    hits = store["prefetch_useful"]
+    out["prefetch_precision"], out["prefetch_recall"], out["prefetch_ahead"] = ratios(
+        store["prefetch_issued"], hits, store["prefetch_own_hits"], store["prefetch_ahead_sum"], sum(misses))
+    out["prefetch_bytes_per_saved"] = store["prefetch_bytes"] / store["prefetch_saved_bytes"] if hits else None
+    out["prefetch_layer_precision"] = [p for p, _, _ in per_layer]
+    out["prefetch_layer_recall"] = [r for _, r, _ in per_layer]
+    out["prefetch_layer_ahead"] = [a for _, _, a in per_layer]
+    return out

@@ -7,6 +7,10 @@ EMA of the logits it actually produced, and take experts until their mass
 reaches CONF_LIMIT (at least K, at most K*WIDE). A loader thread has the
 expert store read them into RAM while the CPU computes this layer. Prefetch
 only moves bytes: it never changes which experts run or what they compute.
+
+Each read is tagged with the pass (token) it was predicted for; the store
+keeps the prefetch ledger of those reads (engine/expert_store.py), and
+`Pilot.meters` reports it with the prediction counts.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ class RouterHead(NamedTuple):
 
 
 class Loader:
-    """A background thread with a deduplicated queue of (layer, expert) loads into the expert store."""
+    """A background thread with a deduplicated queue of (layer, expert) loads into the expert store,
+    each for the pass it was first queued for."""
 
     def __init__(self, store) -> None:
         self.store = store
         self._queue: deque[tuple[int, int]] = deque()
-        self._queued: set[tuple[int, int]] = set()
+        self._queued: dict[tuple[int, int], int | None] = {}  # queued load -> the pass it is for
         self._cond = threading.Condition()
         self._stop = False
         self.issued = 0  # reads actually issued (the expert was not resident)
@@ -41,12 +46,12 @@ class Loader:
         self._thread = threading.Thread(target=self._run, name="tierlab-prefetch", daemon=True)
         self._thread.start()
 
-    def submit(self, layer: int, expert: int) -> None:
+    def submit(self, layer: int, expert: int, for_pass: int | None = None) -> None:
         key = (layer, expert)
         with self._cond:
             if key in self._queued:
                 return
-            self._queued.add(key)
+            self._queued[key] = for_pass
             self._queue.append(key)
             self._cond.notify()
 
@@ -66,21 +71,18 @@ class Loader:
                 if self._stop:
                     return
                 key = self._queue.popleft()
+                for_pass = self._queued[key]
                 self._busy = True
             try:
-                if self.store.prefetch(*key):
+                if self.store.prefetch(*key, for_pass=for_pass):
                     self.issued += 1
-                    self.on_loaded(*key)
             except Exception:  # a failed read is retried by the decode thread on demand
                 self.errors += 1
             finally:
                 with self._cond:
-                    self._queued.discard(key)
+                    self._queued.pop(key, None)
                     self._busy = False
                     self._cond.notify_all()
-
-    def on_loaded(self, layer: int, expert: int) -> None:  # replaced by Pilot
-        pass
 
     def close(self) -> None:
         with self._cond:
@@ -91,7 +93,7 @@ class Loader:
 
 
 class Pilot:
-    """Predicts and prefetches; keeps the meters (issued, useful, wasted, prefetch hits)."""
+    """Predicts and prefetches; reports the store's prefetch ledger and its own prediction count."""
 
     def __init__(self, config, store, heads: list[RouterHead | None]) -> None:
         """`heads[i]`: layer i's router head, None for a layer without experts."""
@@ -102,11 +104,7 @@ class Pilot:
         self.ema = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.float32)
         self.ema_ready = np.zeros(cfg.n_layers, dtype=np.bool_)
         self.loader = Loader(store)
-        self.loader.on_loaded = self._loaded
-        self._lock = threading.Lock()
-        self._pending: list[set[int]] = [set() for _ in range(cfg.n_layers)]  # prefetched, not yet routed
-        self.useful = 0
-        self.prefetch_hits = 0
+        self.passes = 0  # passes (tokens, or prompts) PILOT has predicted for
         self.predicted = 0
 
     # -- prediction ------------------------------------------------------------
@@ -114,6 +112,9 @@ class Pilot:
         """Called with the residual right after `layer`'s mixer (last token only)."""
         cfg = self.config
         store = self.store
+        if layer == 0:
+            self.passes += 1
+        store.ledger_position(self.passes, layer)
         for ahead in range(1, knobs.PILOT + 1):
             target = layer + ahead
             if target >= cfg.n_layers or not cfg.moe_layers[target]:
@@ -126,7 +127,7 @@ class Pilot:
             for e in self.choose(z, cfg.top_k, knobs):
                 self.predicted += 1
                 if not store.in_ram(target, e):
-                    self.loader.submit(target, e)
+                    self.loader.submit(target, e, self.passes)
 
     @staticmethod
     def choose(z: np.ndarray, k: int, knobs) -> list[int]:
@@ -139,35 +140,36 @@ class Pilot:
         return [int(e) for e in order[:n]]
 
     def observe(self, layer: int, logits: np.ndarray, chosen: np.ndarray, hits_before: int, knobs) -> None:
-        """Called after `layer` routed: update its EMA and the useful/prefetch-hit meters."""
+        """Called after `layer` routed: update its EMA (and, in a pass without PILOT, tell the
+        store's ledger that no pass of PILOT's is running)."""
         if self.ema_ready[layer]:
             self.ema[layer] = knobs.SMOOTH * logits + (1.0 - knobs.SMOOTH) * self.ema[layer]
         else:
             self.ema[layer] = logits
             self.ema_ready[layer] = True
-        with self._lock:
-            pending = self._pending[layer]
-            for e in chosen:
-                e = int(e)
-                if e in pending:
-                    pending.discard(e)
-                    self.useful += 1
-                    self.prefetch_hits += 1
+        if not knobs.PILOT:
+            self.store.ledger_position(-1, layer)
 
-    def _loaded(self, layer: int, expert: int) -> None:
-        with self._lock:
-            self._pending[layer].add(expert)
+    @property
+    def prefetch_hits(self) -> int:
+        """Demand hits on experts PILOT read: the misses it saved (the store's ledger)."""
+        return int(self.store.prefetch_ledger().hits.sum())
 
     def reset_meters(self) -> None:
+        """Zero the prediction counts (the engine resets the store's ledger with its counters)."""
         self.loader.issued = 0
-        self.useful = 0
-        self.prefetch_hits = 0
         self.predicted = 0
 
     def meters(self) -> dict:
-        issued = self.loader.issued
-        return {"prefetch_issued": issued, "prefetch_useful": self.useful,
-                "prefetch_wasted": max(issued - self.useful, 0), "prefetch_predicted": self.predicted}
+        """The ledger's totals as store counters, and its per-layer counts under `prefetch_layers`."""
+        ledger = self.store.prefetch_ledger()
+        issued, hits = int(ledger.issued.sum()), int(ledger.hits.sum())
+        return {"prefetch_issued": issued, "prefetch_useful": hits, "prefetch_wasted": max(issued - hits, 0),
+                "prefetch_predicted": self.predicted, "prefetch_own_hits": int(ledger.own.sum()),
+                "prefetch_ahead_sum": int(ledger.ahead_sum.sum()),
+                "prefetch_bytes": issued * ledger.blob_nbytes, "prefetch_saved_bytes": hits * ledger.blob_nbytes,
+                "prefetch_layers": {"issued": ledger.issued.tolist(), "hits": ledger.hits.tolist(),
+                                    "own": ledger.own.tolist(), "ahead_sum": ledger.ahead_sum.tolist()}}
 
     def close(self) -> None:
         self.loader.close()

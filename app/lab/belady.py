@@ -11,8 +11,18 @@ without being cached. Hits count per requested expert (-1 entries are
 skipped). Cache-aware routing can beat the Belady figure because it changes
 the requests themselves.
 
-Both run in O(n log n) over the n requests, with a lazily cleaned binary
-heap keyed by next use (Belady) or last use (LRU).
+``engine_lru_hits`` is the engine's own RAM cache rule (docs/tiers.md), the
+replay the live oracle band uses for its LRU figures: a token whose experts
+fit in the slots touches its resident experts first (each becomes most
+recently used, in rank order), then its misses in rank order, each evicting
+the least recently used expert the token does not hold; a token with more
+experts than slots (or an expert twice) touches them one at a time in rank
+order, each free to evict the token's earlier ones. ``lru_hits`` orders
+a token's touches by ties of the heap instead and serves extras uncached,
+so it can differ from the engine by a few hits.
+
+All run in O(n log n) over the n requests, with a lazily cleaned binary
+heap keyed by next use (Belady) or last use (the LRUs).
 """
 
 from __future__ import annotations
@@ -146,6 +156,63 @@ def _replay(requests, n_experts, slots, belady):
     return hits, total
 
 
+@numba.njit(nogil=True, cache=True)
+def _replay_engine_lru(requests, n_experts, slots):
+    """The engine's LRU (module docstring); returns (hits, requests)."""
+    T, K = requests.shape
+    cached = np.zeros(n_experts, dtype=np.bool_)
+    key = np.zeros(n_experts, dtype=np.int64)  # minus the touch clock: the heap's top is the LRU expert
+    heap_keys = np.empty(T * K + 1, dtype=np.int64)  # one entry per touch at most
+    heap_ids = np.empty(T * K + 1, dtype=np.int32)
+    seen = np.full(n_experts, -1, dtype=np.int64)  # the last token listing each expert, to spot duplicates
+    order = np.empty(K, dtype=np.int64)
+    size = 0
+    held = 0
+    clock = 0
+    hits = 0
+    total = 0
+    for t in range(T):
+        n = 0
+        duplicate = False
+        for j in range(K):
+            e = requests[t, j]
+            if e >= 0:
+                duplicate = duplicate or seen[e] == t
+                seen[e] = t
+                order[n] = e
+                n += 1
+        if n <= slots and not duplicate:  # together: the residents first, then the misses
+            m = 0
+            for j in range(K):
+                e = requests[t, j]
+                if e >= 0 and cached[e]:
+                    order[m] = e
+                    m += 1
+            for j in range(K):
+                e = requests[t, j]
+                if e >= 0 and not cached[e]:
+                    order[m] = e
+                    m += 1
+        for i in range(n):
+            e = order[i]
+            total += 1
+            clock += 1
+            if cached[e]:
+                hits += 1
+            elif held < slots:
+                cached[e] = True
+                held += 1
+            else:
+                while not cached[heap_ids[0]] or key[heap_ids[0]] != heap_keys[0]:
+                    size = _heap_pop(heap_keys, heap_ids, size)
+                cached[heap_ids[0]] = False
+                size = _heap_pop(heap_keys, heap_ids, size)
+                cached[e] = True
+            key[e] = -clock
+            size = _heap_push(heap_keys, heap_ids, size, -clock, e)
+    return hits, total
+
+
 def _as_requests(requests) -> np.ndarray:
     arr = np.asarray(requests, dtype=np.int32)
     if arr.ndim == 1:
@@ -174,6 +241,17 @@ def lru_hits(requests, slots: int) -> CacheReplay:
     return _replay_layer(requests, slots, belady=False)
 
 
+def engine_lru_hits(requests, slots: int, n_experts: int | None = None) -> CacheReplay:
+    """The engine's RAM cache (module docstring) replayed on one layer's [tokens, K] requests."""
+    arr = _as_requests(requests)
+    if arr.size == 0:
+        return CacheReplay(0, 0)
+    top = int(arr.max()) + 1
+    n = max(top, int(n_experts or 0), 1)
+    hits, total = _replay_engine_lru(arr, n, max(int(slots), 1))
+    return CacheReplay(int(hits), int(total))
+
+
 def _per_layer(layers, slots) -> list[tuple[np.ndarray, int]]:
     layers = list(layers)
     slot_list = [int(slots)] * len(layers) if np.isscalar(slots) else [int(s) for s in slots]
@@ -191,4 +269,10 @@ def belady_hit_rate(layers: Sequence[np.ndarray] | np.ndarray, slots: int | Sequ
 def lru_hit_rate(layers: Sequence[np.ndarray] | np.ndarray, slots: int | Sequence[int]) -> float:
     """LRU hit rate over the same sequences, for comparison with belady_hit_rate."""
     total = sum((lru_hits(r, s) for r, s in _per_layer(layers, slots)), CacheReplay(0, 0))
+    return total.hit_rate
+
+
+def engine_lru_hit_rate(layers: Sequence[np.ndarray] | np.ndarray, slots: int | Sequence[int]) -> float:
+    """The engine's LRU hit rate over all layers (layers[l] is [tokens, K]), as belady_hit_rate."""
+    total = sum((engine_lru_hits(r, s) for r, s in _per_layer(layers, slots)), CacheReplay(0, 0))
     return total.hit_rate

@@ -1,40 +1,97 @@
-"""The Belady bound over a bounded window of recent tokens, computed off the engine thread.
+"""The oracle band: Belady and LRU replays of a bounded window of recent tokens, off the engine thread.
 
 `OracleBand.add` is a token listener that only appends the token's chosen
 experts (one array per MoE layer) to a deque of the last `window` tokens,
-so its cost per token never grows with the session. `hit_rate` replays a
-snapshot of that window with Belady's optimal eviction (belady.py) at the
-current RAM cache size, in the caller's thread; `start` does it every
-`interval` seconds on a thread of its own and keeps the result in `latest`.
-A run's own band (window None) holds the whole run, for `eval` and `ab`.
+so its cost per token never grows with the session. `reading` replays a
+snapshot of that window in the caller's thread: Belady's optimal eviction
+at the current RAM cache size, and the engine's own LRU (belady.py,
+`engine_lru_hits`) at the current size and at other sizes (`band_sizes`).
+The two answer different questions: Belady above the realised hit rate is
+what a smarter eviction could win at this size, the LRU at 2x or 4x what a
+bigger cache would buy, so the band says whether more RAM or the routing
+lever is the better move. `start` refreshes the reading every `interval`
+seconds on a thread of its own and keeps it in `latest_reading` (and the
+Belady figure in `latest`). A run's own band (window None) holds the whole
+run, for `eval` and `ab`.
+
+Every replay starts with an empty cache at the window's first token and
+models the RAM cache alone: no GPU tier, prefetch or pins.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierlab.app.lab.belady import belady_hit_rate
+from tierlab.app.lab.belady import CacheReplay, belady_hits, engine_lru_hits
 from tierlab.engine.events import TokenEvent
 
 WINDOW = 1024
 """Tokens the app's band replays: long enough to span several replies, short enough to replay in milliseconds."""
 
+SIZE_KEYS: tuple[tuple[str, float | None], ...] = (
+    ("lru_half", 0.5), ("lru_1x", 1.0), ("lru_2x", 2.0), ("lru_4x", 4.0), ("lru_all_but_one", None),
+)
+"""Meter key and cache size of each LRU replay: a multiple of the current slots, or None for E - 1."""
+
+
+def band_sizes(slots: int, n_experts: int | None) -> dict[str, int | None]:
+    """The cache size each LRU meter replays; None where that size is outside [1, E - 1].
+
+    The current size (lru_1x) is always replayed. Two keys may name one size
+    (2x of 12 is 24, the same as all-but-one for E = 25): it is replayed once.
+    """
+    out: dict[str, int | None] = {}
+    for key, factor in SIZE_KEYS:
+        if factor is None:
+            size = n_experts - 1 if n_experts is not None else None
+        elif factor == 1.0:
+            size = int(slots)
+        else:
+            size = int(slots * factor)
+        if size is not None and factor != 1.0 and (size < 1 or (n_experts is not None and size > n_experts - 1)):
+            size = None
+        out[key] = size
+    return out
+
+
+@dataclass(frozen=True)
+class OracleReading:
+    """One replay of the band's window: how an optimal cache and LRU caches of other sizes would have done."""
+
+    window_tokens: int  # tokens replayed
+    slots: int  # the RAM cache's size (slots per MoE layer) the Belady figure is for
+    belady_hit: float | None  # Belady's hit rate at `slots` (a fraction); None when nothing was requested
+    lru_hit_by_size: dict[int, float] = field(default_factory=dict)  # the engine's LRU hit rate at each size
+    sizes: dict[str, int | None] = field(default_factory=dict)  # meter key -> size it replays (band_sizes)
+    replay_s: float = 0.0  # seconds the replay took
+
+    def meters(self) -> dict[str, float | None]:
+        """`oracle_hit` and one rate per LRU meter key (None for a size not replayed)."""
+        out: dict[str, float | None] = {"oracle_hit": self.belady_hit}
+        for key, size in self.sizes.items():
+            out[key] = self.lru_hit_by_size.get(size) if size is not None else None
+        return out
+
 
 class OracleBand:
-    """The chosen experts of the last `window` tokens and the Belady hit rate over them."""
+    """The chosen experts of the last `window` tokens and the replays over them."""
 
-    def __init__(self, window: int | None = WINDOW, interval: float = 1.0) -> None:
+    def __init__(self, window: int | None = WINDOW, interval: float = 1.0, n_experts: int | None = None) -> None:
         self.window = window
         self.interval = interval
+        self.n_experts = n_experts  # experts per layer: the all-but-one size; None leaves it out
         self._tokens: deque[list[np.ndarray]] = deque(maxlen=window)
         self._lock = threading.Lock()
         self._added = 0
         self._computed_at = -1
         self.slots: int | None = None  # RAM slots per layer, as the latest event's store counters say
         self.latest: float | None = None
+        self.latest_reading: OracleReading | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -56,30 +113,56 @@ class OracleBand:
             self._tokens.clear()
             self._added += 1
             self.latest = None
+            self.latest_reading = None
+
+    def _layers(self) -> tuple[list[np.ndarray], int, int | None]:
+        """A snapshot of the window as one [tokens, K] array per layer, its token count, and the slots."""
+        with self._lock:
+            snapshot = list(self._tokens)
+            slots = self.slots
+        if not snapshot:
+            return [], 0, slots
+        width = len(snapshot[0])
+        rows = [t for t in snapshot if len(t) == width]
+        return [np.stack([t[j] for t in rows]) for j in range(width)], len(rows), slots
 
     def hit_rate(self, slots: int | None = None) -> float | None:
         """Belady hit rate (a fraction) over the window at `slots` (default: the cache's size); None if empty."""
-        with self._lock:
-            snapshot = list(self._tokens)
-            slots = self.slots if slots is None else slots
-        if not snapshot or not slots:
+        layers, _, current = self._layers()
+        slots = current if slots is None else slots
+        if not layers or not slots:
             return None
-        width = len(snapshot[0])
-        rows = [t for t in snapshot if len(t) == width]
-        layers = [np.stack([t[j] for t in rows]) for j in range(width)]
-        return belady_hit_rate(layers, slots) if layers else None
+        return _rate([belady_hits(r, slots) for r in layers])
+
+    def reading(self, slots: int | None = None) -> OracleReading | None:
+        """Replay the window now, in the caller's thread, at `slots` (default: the cache's size); None if empty."""
+        t0 = time.perf_counter()
+        layers, tokens, current = self._layers()
+        slots = current if slots is None else slots
+        if not layers or not slots:
+            return None
+        sizes = band_sizes(int(slots), self.n_experts)
+        lru = {}
+        for size in sorted({s for s in sizes.values() if s is not None}):
+            rate = _rate([engine_lru_hits(r, size, self.n_experts) for r in layers])
+            if rate is not None:
+                lru[size] = rate
+        belady = _rate([belady_hits(r, slots) for r in layers])
+        return OracleReading(tokens, int(slots), belady, lru, sizes, time.perf_counter() - t0)
 
     def refresh(self) -> float | None:
-        """Compute `latest` now, in the caller's thread."""
+        """Compute `latest_reading` (and `latest`, its Belady figure) now, in the caller's thread."""
         with self._lock:
             added = self._added
-        value = self.hit_rate()
+        reading = self.reading()
         with self._lock:
-            self.latest, self._computed_at = value, added
-        return value
+            self.latest_reading = reading
+            self.latest = reading.belady_hit if reading is not None else None
+            self._computed_at = added
+            return self.latest
 
     def start(self) -> None:
-        """Recompute `latest` every `interval` seconds, when tokens arrived, on a daemon thread."""
+        """Refresh every `interval` seconds, when tokens arrived, on a daemon thread."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tierlab-oracle", daemon=True)
             self._thread.start()
@@ -91,9 +174,15 @@ class OracleBand:
                     self.refresh()
                 except Exception:  # a figure, never a reason to stop the thread
                     self.latest = None
+                    self.latest_reading = None
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def _rate(replays: list[CacheReplay]) -> float | None:
+    total = sum(replays, CacheReplay(0, 0))
+    return total.hit_rate if total.requests else None
