@@ -20,11 +20,14 @@ from typing import Callable
 
 from tierlab.engine.errors import TierlabError
 from tierlab.app.lab.evaluate import greedy_decode, teacher_forced_run
+from tierlab.app.lab.oracle import SIZE_KEYS
 from tierlab.engine.knobs import SPEC_BY_NAME, Knobs, KnobValues
 from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
 
 ENGINE_SETTINGS = ("CACHE", "TIER", "TIER_GB", "TIER_DEVICE", "HEAT_FILE", "TIER_NO_WARMSTART")
+BAND_KEYS = tuple(key for key, _ in SIZE_KEYS)  # the oracle band's LRU figures in each row
+LEDGER_KEYS = ("prefetch_precision", "prefetch_recall", "prefetch_ahead", "prefetch_bytes_per_saved")
 
 
 @dataclass
@@ -58,6 +61,7 @@ class RowResult:
             "ram_hit": m["ram_hit"],
             "vram_hit": m["vram_hit"],
             "oracle_hit": m["oracle_hit"],
+            **{key: m.get(key) for key in BAND_KEYS + LEDGER_KEYS}, "lru_sizes": m.get("lru_sizes"),
             "swap": m["swap"] if lever else None,
             "route_agree": m["route_agree"] if meters_on else None,
             "route_kl": m["route_kl"] if meters_on else None,

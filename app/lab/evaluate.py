@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierlab.app.lab.oracle import OracleBand
+from tierlab.app.lab.oracle import OracleBand, OracleReading
 from tierlab.engine.errors import FormatError
 from tierlab.engine.meters import METER_BY_KEY, MeterFold
 from tierlab.engine.model import TIMER_NAMES, Engine
@@ -59,7 +59,7 @@ class RunMeters:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.fold = MeterFold(timing_phase="decode")
-        self.oracle = OracleBand(window=None)
+        self.oracle = OracleBand(window=None, n_experts=int(engine.config.n_experts))
         engine.subscribe(self._on_token)
 
     def _on_token(self, event) -> None:
@@ -70,9 +70,12 @@ class RunMeters:
         self.engine.unsubscribe(self._on_token)
 
     def summary(self) -> dict:
-        """The fold's summary plus the run's Belady bound (fractions), decode tokens and ms per timer."""
+        """The fold's summary plus the run's oracle band (Belady bound, LRU at other sizes: fractions),
+        decode tokens and ms per timer."""
         out = self.fold.summary()
-        out["oracle_hit"] = self.oracle.hit_rate()
+        reading = self.oracle.reading()
+        out.update(reading.meters() if reading is not None else OracleReading(0, 0, None).meters())
+        out["lru_sizes"] = dict(reading.sizes) if reading is not None else {}
         out["decode_tokens"] = self.fold.timed_tokens
         out["ms_per_token"] = {k: out["ms_per_token"].get(k, 0.0) for k in TIMER_NAMES}
         out["cache_slots"] = self.oracle.slots

@@ -73,7 +73,8 @@ class OracleReading:
     def meters(self) -> dict[str, float | None]:
         """`oracle_hit` and one rate per LRU meter key (None for a size not replayed)."""
         out: dict[str, float | None] = {"oracle_hit": self.belady_hit}
-        for key, size in self.sizes.items():
+        for key, _ in SIZE_KEYS:
+            size = self.sizes.get(key)
             out[key] = self.lru_hit_by_size.get(size) if size is not None else None
         return out
 

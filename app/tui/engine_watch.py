@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from tierlab.app.lab.oracle import OracleBand
+from tierlab.app.lab.oracle import OracleBand, OracleReading
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.knobs import KnobChange
 from tierlab.engine.meters import MeterFold
@@ -53,7 +53,7 @@ class EngineWatch:
         self.swapped = np.zeros(shape, bool)
         self.fold = MeterFold()
         """The meters of every token watched (the app's figures)."""
-        self.oracle = OracleBand(interval=ORACLE_INTERVAL)
+        self.oracle = OracleBand(interval=ORACLE_INTERVAL, n_experts=self.n_experts)
         self.history = MeterHistory()
         self.last_event: TokenEvent | None = None
         self.meter_errors = 0
@@ -98,6 +98,11 @@ class EngineWatch:
         value = self.oracle.refresh()
         with self.lock:
             self.history.replace_latest("oracle_hit", value)
+
+    def oracle_reading(self) -> OracleReading | None:
+        """The oracle band's latest replay (Belady here, LRU at other cache sizes), from its own thread;
+        None before the first one. Its `meters()` are keyed by the catalogue (oracle_hit, lru_*)."""
+        return self.oracle.latest_reading
 
     def _on_knob(self, change: KnobChange) -> None:
         self.mark(f"{change.name}={format_knob_value(change.new)}")
