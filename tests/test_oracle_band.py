@@ -71,6 +71,8 @@ def test_the_window_bounds_what_is_stored_and_replayed():
     for t, layers in enumerate(trace):
         band.add(event(t, layers, slots))
         assert len(band) <= W
+        if t % 37 == 5:
+            band.reading()  # readings along the way convert only the tokens that are new to them
     assert len(band) == W
     reading = band.reading()
     assert reading.window_tokens == W and reading.slots == slots
@@ -87,6 +89,16 @@ def test_the_window_bounds_what_is_stored_and_replayed():
         fresh.add(event(t, layers, slots))
     again = fresh.reading()
     assert (again.belady_hit, again.lru_hit_by_size) == (reading.belady_hit, reading.lru_hit_by_size)
+    # after a clear only what came after it counts
+    band.clear()
+    assert band.reading() is None and band.latest_reading is None
+    for t, layers in enumerate(last[:5]):
+        band.add(event(t, layers, slots))
+    short = OracleBand(window=W, n_experts=E)
+    for t, layers in enumerate(last[:5]):
+        short.add(event(t, layers, slots))
+    assert band.reading().lru_hit_by_size == short.reading().lru_hit_by_size
+    assert band.reading().window_tokens == 5
 
 
 def test_sizes_are_clipped_to_the_layer_and_replayed_once():

@@ -158,17 +158,20 @@ def _replay(requests, n_experts, slots, belady):
 
 @numba.njit(nogil=True, cache=True)
 def _replay_engine_lru(requests, n_experts, slots):
-    """The engine's LRU (module docstring); returns (hits, requests)."""
+    """The engine's LRU (module docstring); returns (hits, requests).
+
+    The cached experts form a list from least to most recently used, linked
+    through `nxt`/`prv` with node `n_experts` as its sentinel, so a touch and an
+    eviction are O(1).
+    """
     T, K = requests.shape
+    end = n_experts
+    nxt = np.full(n_experts + 1, end, dtype=np.int64)
+    prv = np.full(n_experts + 1, end, dtype=np.int64)
     cached = np.zeros(n_experts, dtype=np.bool_)
-    key = np.zeros(n_experts, dtype=np.int64)  # minus the touch clock: the heap's top is the LRU expert
-    heap_keys = np.empty(T * K + 1, dtype=np.int64)  # one entry per touch at most
-    heap_ids = np.empty(T * K + 1, dtype=np.int32)
     seen = np.full(n_experts, -1, dtype=np.int64)  # the last token listing each expert, to spot duplicates
     order = np.empty(K, dtype=np.int64)
-    size = 0
     held = 0
-    clock = 0
     hits = 0
     total = 0
     for t in range(T):
@@ -196,20 +199,24 @@ def _replay_engine_lru(requests, n_experts, slots):
         for i in range(n):
             e = order[i]
             total += 1
-            clock += 1
             if cached[e]:
                 hits += 1
+                nxt[prv[e]] = nxt[e]  # unlink, to relink as the most recent
+                prv[nxt[e]] = prv[e]
             elif held < slots:
                 cached[e] = True
                 held += 1
             else:
-                while not cached[heap_ids[0]] or key[heap_ids[0]] != heap_keys[0]:
-                    size = _heap_pop(heap_keys, heap_ids, size)
-                cached[heap_ids[0]] = False
-                size = _heap_pop(heap_keys, heap_ids, size)
+                victim = nxt[end]  # the least recently used
+                nxt[end] = nxt[victim]
+                prv[nxt[victim]] = end
+                cached[victim] = False
                 cached[e] = True
-            key[e] = -clock
-            size = _heap_push(heap_keys, heap_ids, size, -clock, e)
+            last = prv[end]
+            nxt[last] = e
+            prv[e] = last
+            nxt[e] = end
+            prv[end] = e
     return hits, total
 
 

@@ -88,7 +88,14 @@ class OracleBand:
         self.n_experts = n_experts  # experts per layer: the all-but-one size; None leaves it out
         self._tokens: deque[list[np.ndarray]] = deque(maxlen=window)
         self._lock = threading.Lock()
-        self._added = 0
+        self._added = 0  # tokens added or clears made: says when a refresh has something new
+        self._seq = 0  # tokens added since the last clear
+        self._epoch = 0  # clears made
+        # the replaying side's copy of the window as int32[L, K] arrays, extended by the new tokens only
+        self._replay_lock = threading.Lock()
+        self._arrays: deque[np.ndarray] = deque(maxlen=window)
+        self._arrays_seq = 0
+        self._arrays_epoch = 0
         self._computed_at = -1
         self.slots: int | None = None  # RAM slots per layer, as the latest event's store counters say
         self.latest: float | None = None
@@ -106,6 +113,7 @@ class OracleBand:
         with self._lock:
             self._tokens.append(chosen)
             self._added += 1
+            self._seq += 1
             if slots is not None:
                 self.slots = slots
 
@@ -113,19 +121,32 @@ class OracleBand:
         with self._lock:
             self._tokens.clear()
             self._added += 1
+            self._seq = 0
+            self._epoch += 1
             self.latest = None
             self.latest_reading = None
 
     def _layers(self) -> tuple[list[np.ndarray], int, int | None]:
-        """A snapshot of the window as one [tokens, K] array per layer, its token count, and the slots."""
-        with self._lock:
-            snapshot = list(self._tokens)
-            slots = self.slots
-        if not snapshot:
-            return [], 0, slots
-        width = len(snapshot[0])
-        rows = [t for t in snapshot if len(t) == width]
-        return [np.stack([t[j] for t in rows]) for j in range(width)], len(rows), slots
+        """A snapshot of the window as one [tokens, K] array per layer, its token count, and the slots.
+
+        Only the tokens added since the last snapshot are converted (the rest are kept as arrays), so
+        the time this holds the interpreter stays small however large the window.
+        """
+        with self._replay_lock:
+            with self._lock:
+                if self._arrays_epoch != self._epoch:
+                    self._arrays.clear()
+                    self._arrays_seq, self._arrays_epoch = 0, self._epoch
+                fresh = min(self._seq - self._arrays_seq, len(self._tokens))
+                new = [self._tokens[i] for i in range(len(self._tokens) - fresh, len(self._tokens))]
+                self._arrays_seq = self._seq
+                slots = self.slots
+            self._arrays.extend(_as_arrays(new))
+            if not self._arrays:
+                return [], 0, slots
+            shape = self._arrays[0].shape
+            rows = np.stack([a for a in self._arrays if a.shape == shape])
+        return [np.ascontiguousarray(rows[:, j, :]) for j in range(shape[0])], rows.shape[0], slots
 
     def hit_rate(self, slots: int | None = None) -> float | None:
         """Belady hit rate (a fraction) over the window at `slots` (default: the cache's size); None if empty."""
@@ -182,6 +203,19 @@ class OracleBand:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def _as_arrays(tokens: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Each token's chosen experts as one int32[L, K] array (one concatenation for a run of equal shapes)."""
+    if not tokens:
+        return []
+    width, k = len(tokens[0]), (tokens[0][0].shape[0] if tokens[0] else 0)
+    if all(len(t) == width and all(a.shape == (k,) for a in t) for t in tokens):
+        if width == 0:
+            return [np.zeros((0, 0), np.int32) for _ in tokens]
+        flat = np.concatenate([a for t in tokens for a in t]).astype(np.int32, copy=False)
+        return list(flat.reshape(len(tokens), width, k))
+    return [np.stack(t).astype(np.int32, copy=False) if t else np.zeros((0, 0), np.int32) for t in tokens]
 
 
 def _rate(replays: list[CacheReplay]) -> float | None:
