@@ -8,7 +8,9 @@ token (`OracleBand.add`, the only part on the engine thread) early in a
 session and after `--tokens` tokens, to show it does not grow; and the time
 of one replay (`OracleBand.reading`: Belady at the cache's size and the
 engine's LRU at every band size) over a full window, the work the band's
-own thread does about once a second. Medians of `--repeat` timings.
+own thread does about once a second, each time after 50 new tokens (the
+conversion of new tokens holds the interpreter; the replays release it).
+Medians of `--repeat` timings; the listener's over 20 batches of 100 tokens.
 """
 
 from __future__ import annotations
@@ -55,29 +57,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=20000, help="session length for the late listener timing")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=9)
     args = ap.parse_args()
     warm = OracleBand(window=8, n_experts=8)  # compile the replays once, outside the timings
     for event in events(1, 8, 2, 3, 8):
         warm.add(event)
     warm.reading()
-    print(f"window {args.window} tokens; listener µs/token at token ~{args.window} and ~{args.tokens}; "
-          f"one replay (Belady + LRU at every band size)")
+    print(f"window {args.window} tokens; listener µs/token over the first 2000 tokens and after "
+          f"{args.tokens}; one replay (Belady + LRU at every band size) after 50 new tokens")
     print("| shape | layers × experts, K, slots | listener early | listener late | replay ms |")
     print("|---|---|---:|---:|---:|")
     for name, n_layers, n_experts, k, slots in SHAPES:
         trace = events(n_layers, n_experts, k, slots, 2048)
         band = OracleBand(window=args.window, n_experts=n_experts)
-        early = statistics.median(per_token_us(band, trace[i * 200:(i + 1) * 200]) for i in range(5))
-        added = 1000
+        early = statistics.median(per_token_us(band, trace[i * 100:(i + 1) * 100]) for i in range(20))
+        added = 2000
         while added < args.tokens:  # a long session: the same trace again and again
             chunk = trace[: min(2048, args.tokens - added)]
             for event in chunk:
                 band.add(event)
             added += len(chunk)
-        late = statistics.median(per_token_us(band, trace[i * 200:(i + 1) * 200]) for i in range(5))
+        late = statistics.median(per_token_us(band, trace[i * 100:(i + 1) * 100]) for i in range(20))
+        band.reading()
         replays = []
-        for _ in range(args.repeat):
+        for r in range(args.repeat):
+            for event in trace[r * 50:(r + 1) * 50]:
+                band.add(event)
             t0 = time.perf_counter()
             reading = band.reading()
             replays.append(1000 * (time.perf_counter() - t0))
