@@ -21,8 +21,9 @@ order, each free to evict the token's earlier ones. ``lru_hits`` orders
 a token's touches by ties of the heap instead and serves extras uncached,
 so it can differ from the engine by a few hits.
 
-All run in O(n log n) over the n requests, with a lazily cleaned binary
-heap keyed by next use (Belady) or last use (the LRUs).
+Belady and ``lru_hits`` run in O(n log n) over the n requests, with a
+lazily cleaned binary heap keyed by next use (Belady) or last use (LRU);
+``engine_lru_hits`` in O(n), with a linked list in recency order.
 """
 
 from __future__ import annotations
@@ -278,8 +279,3 @@ def lru_hit_rate(layers: Sequence[np.ndarray] | np.ndarray, slots: int | Sequenc
     total = sum((lru_hits(r, s) for r, s in _per_layer(layers, slots)), CacheReplay(0, 0))
     return total.hit_rate
 
-
-def engine_lru_hit_rate(layers: Sequence[np.ndarray] | np.ndarray, slots: int | Sequence[int]) -> float:
-    """The engine's LRU hit rate over all layers (layers[l] is [tokens, K]), as belady_hit_rate."""
-    total = sum((engine_lru_hits(r, s) for r, s in _per_layer(layers, slots)), CacheReplay(0, 0))
-    return total.hit_rate
