@@ -88,10 +88,12 @@ def _describe(value, depth: int = 0):
 
 
 class _CompileCounter:
-    """Counts the kernel specialisations numba compiles (cache loads are not compiles)."""
+    """Counts the kernel specialisations numba compiles (cache loads are not compiles) and
+    calls `on_compiled` after each, so progress moves during a long step too."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_compiled: Callable[[int], None] | None = None) -> None:
         self.count = 0
+        self.on_compiled = on_compiled
 
     def __enter__(self):
         from numba.core import event
@@ -104,6 +106,8 @@ class _CompileCounter:
 
             def on_end(self, ev) -> None:
                 counter.count += 1
+                if counter.on_compiled is not None:
+                    counter.on_compiled(counter.count)
 
         self._listener = Listener()
         event.register("numba:compile", self._listener)
@@ -122,10 +126,17 @@ def warm_up(engine, progress: Progress | None = None) -> WarmupReport:
     ids = [i % cfg.vocab_size for i in (1, 2)]
     total = len(STEPS)
     t0 = time.perf_counter()
-    with _CompileCounter() as compiled:
+    at = [0]  # the step under way, for progress during its compiles
+
+    def compiled_one(count: int) -> None:
+        if progress is not None:
+            progress(at[0], total, STEPS[at[0]].label, count)
+
+    with _CompileCounter(compiled_one) as compiled:
         if progress is not None:
             progress(0, total, STEPS[0].label, 0)
         for done, step in enumerate(STEPS, start=1):
+            at[0] = done - 1
             slots = cfg.n_experts if step.slots == "all" else cfg.top_k
             twin = engine.scratch_twin(layers, slots, Knobs.from_env({}, **step.knobs))
             twin.subscribe(_ignore)  # listeners ask for residency levels, as the app's do
