@@ -23,6 +23,14 @@ def default_model() -> Path:
     return others[0] if others else main
 
 
+def first_run_slots(n_experts: int, top_k: int) -> int:
+    """The app's RAM cache when no --cache is given: 3/8 of the experts, at least 2·top_k,
+    and always at least one expert short of all of them (12 of 32 for the shipped model), so
+    that misses happen and the routing lever has something to do from the first reply."""
+    wanted = max(2 * top_k, -(-3 * n_experts // 8))
+    return max(1, min(n_experts - 1, wanted))
+
+
 @dataclass
 class EngineOptions:
     model: Path = field(default_factory=default_model)
