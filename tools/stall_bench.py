@@ -1,0 +1,105 @@
+"""Compile stalls as a new user meets them: start to "ready", the first token, a lever toggled mid-reply.
+
+Each run is a fresh Python process with an empty numba cache (a fresh clone's
+first start) or with the cache the previous run filled (every later start).
+In the child: open the model as the app does (its first-run RAM cache), then
+one chat reply with CACHE_ROUTE toggled on at token TOGGLE, ROUTE_MODE=prior
+at 2*TOGGLE and PILOT=1 at 3*TOGGLE, and a RAM cache resize requested from
+another thread at 4*TOGGLE (as the app's cache worker does). Reported: seconds
+from process start to ready, the first token's latency after ready, and the
+largest gap between two tokens (overall, and at each change).
+
+    python tools/stall_bench.py [--model DIR] [--tokens 60] [--no-warmup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, threading, time
+from tierlab.engine.config import load_config
+from tierlab.engine.options import EngineOptions, first_run_slots
+from pathlib import Path
+
+model, tokens, toggle, warm = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+cfg = load_config(model)
+slots = first_run_slots(cfg.n_experts, cfg.top_k)
+engine = EngineOptions(model, slots, knobs_from_env=False, warmup=warm).open()
+print("ready", flush=True)
+t_ready = time.perf_counter()
+tok = engine.tokenizer
+prompt = tok.render_chat([{"role": "user", "content": "Tell me a story about a cat."}]) if getattr(tok, "chat_template", None) else "Once upon a time"
+ids = tok.encode(prompt)
+times, changes = [], {}
+resize = None
+for i, token in enumerate(engine.generate(ids, max_new_tokens=tokens, eos_ids=[])):
+    times.append(time.perf_counter())
+    if i == toggle:
+        engine.knobs.set("CACHE_ROUTE", "1"); changes["CACHE_ROUTE=1"] = i
+    elif i == 2 * toggle:
+        engine.knobs.set("ROUTE_MODE", "prior"); changes["ROUTE_MODE=prior"] = i
+    elif i == 3 * toggle:
+        engine.knobs.set("PILOT", "1"); changes["PILOT=1"] = i
+    elif i == 4 * toggle:
+        resize = threading.Thread(target=engine.set_cache_slots, args=(max(1, slots - 4),))
+        resize.start(); changes[f"cache={max(1, slots - 4)}"] = i
+if resize is not None:
+    resize.join()
+gaps = [b - a for a, b in zip(times, times[1:])]
+at = {name: max(gaps[i:i + 3]) * 1000 for name, i in changes.items() if i < len(gaps)}
+print(json.dumps({"first_token_s": times[0] - t_ready, "max_gap_ms": max(gaps) * 1000,
+                  "median_gap_ms": sorted(gaps)[len(gaps) // 2] * 1000, "gap_after_change_ms": at,
+                  "tokens": len(times), "slots": slots, "n_experts": cfg.n_experts,
+                  "cache_after": engine.cache_slots()}))
+"""
+
+
+def run_once(model: Path, tokens: int, toggle: int, warm: bool, cache_dir: str) -> dict:
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(model), str(tokens), str(toggle), "1" if warm else "0"],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    if line.strip() != "ready":
+        child.wait()
+        raise SystemExit(f"the child did not get ready: {line!r}")
+    ready_s = time.perf_counter() - start
+    result = json.loads(child.stdout.read().strip().splitlines()[-1])
+    if child.wait() != 0:
+        raise SystemExit("the child failed")
+    return {"ready_s": ready_s, **result}
+
+
+def main() -> int:
+    import tierlab
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=tierlab.ASSETS_DIR / "tiny-moe")
+    parser.add_argument("--tokens", type=int, default=60)
+    parser.add_argument("--toggle", type=int, default=10, help="token of the first change (default 10)")
+    parser.add_argument("--no-warmup", action="store_true", help="also measure without the kernel warm-up")
+    args = parser.parse_args()
+    modes = [True] + ([False] if args.no_warmup else [])
+    for warm in modes:
+        with tempfile.TemporaryDirectory(prefix="tierlab-numba-") as cache_dir:
+            for start in ("empty cache", "cached"):
+                r = run_once(args.model, args.tokens, args.toggle, warm, cache_dir)
+                changes = ", ".join(f"{k} {v:.0f}" for k, v in r["gap_after_change_ms"].items())
+                print(f"{'warm-up' if warm else 'no warm-up'} | {start} | ready {r['ready_s']:.1f} s | "
+                      f"first token {r['first_token_s'] * 1000:.0f} ms | max gap {r['max_gap_ms']:.0f} ms "
+                      f"(median {r['median_gap_ms']:.1f}) | gap at change (ms): {changes} | "
+                      f"cache {r['slots']}/{r['n_experts']} -> {r['cache_after']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
