@@ -26,12 +26,13 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(Path(args.model), getattr(args, "cache", None), tier, knobs)
 
 
-def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
+def add_model_args(parser: argparse.ArgumentParser, cache: bool = True,
+                   cache_default: str = "all experts") -> None:
     parser.add_argument("--model", metavar="DIR", type=Path, default=default_model(),
                         help=f"model folder or tierlab container (default: the shipped {default_model().name})")
     if cache:
         parser.add_argument("--cache", type=int, metavar="N", default=None,
-                            help="RAM expert cache slots per layer (default: all experts)")
+                            help=f"RAM expert cache slots per layer (default: {cache_default})")
     tier = parser.add_argument_group("GPU tier and heat profile (flags override TIER, TIER_GB, TIER_DEVICE, "
                                      "TIER_NO_WARMSTART, HEAT_FILE)")
     tier.add_argument("--tier", action="store_const", const=True, default=None,
