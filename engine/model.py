@@ -418,6 +418,8 @@ def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Kn
 
         try:
             warm_up(engine, progress)
+        except Exception as exc:  # the engine itself is intact: kernels then compile on first use
+            engine.notice(f"kernel warm-up failed ({type(exc).__name__}: {exc}); kernels compile on first use")
         except BaseException:
             engine.close()
             raise
