@@ -46,6 +46,16 @@ PLOT_INTERVAL = 1.0
 """Seconds between redraws of the plot and the sparklines while a reply streams (the costly views); again at the end."""
 
 
+def warm_oracle_kernels() -> None:
+    """The oracle band replays Belady and LRU on its own thread while a reply streams; a first
+    compile there would take the engine's CPU mid-reply, so the app compiles them while loading."""
+    from tierlab.app.lab.belady import belady_hits, lru_hits
+
+    requests = [[0, 1], [1, 2], [0, 2]]
+    belady_hits(requests, 2)
+    lru_hits(requests, 2)
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as the single line a notification can show."""
     text = str(exc).strip().splitlines()
@@ -173,6 +183,8 @@ class TierlabApp(App):
                     config = load_config(Path(options.model))
                     options = dataclasses.replace(options, cache=first_run_slots(config.n_experts, config.top_k))
                 engine = options.open(progress=self._loading_progress)
+                self._call_ui(self._show_loading, "compiling kernels · the oracle's replays")
+                warm_oracle_kernels()
         except TierlabError as exc:
             self._call_ui(self._engine_failed, one_line(exc))
             return
