@@ -148,6 +148,12 @@ def run_once(model: Path, tokens: int, toggle: int, warm: bool, cache_dir: str, 
     return {"ready_s": ready_s, **result}
 
 
+def compiled_text(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return f"{len(names)} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+
+
 def main() -> int:
     import tierlab
 
@@ -171,7 +177,7 @@ def main() -> int:
                       f"first token {r['first_token_s'] * 1000:.0f} ms | max gap {r['max_gap_ms']:.0f} ms "
                       f"(median {r['median_gap_ms']:.1f}) | gap at change (ms): {changes} | "
                       f"cache {r['slots']}/{r['n_experts']} -> {r['cache_after']}"
-                      + (f" | compiled after ready: {', '.join(r['compiled_after_ready']) or 'none'}"
+                      + (f" | compiled after ready: {compiled_text(r['compiled_after_ready'])}"
                          if "compiled_after_ready" in r else ""), flush=True)
     return 0
 
