@@ -156,21 +156,26 @@ def _ignore(event) -> None:
     pass
 
 
-def kernel_signatures() -> dict[str, set[str]]:
-    """Every numba kernel of the loaded tierlab modules and the argument types it is compiled
-    for: a session after the warm-up adds none (tests/test_warmup.py)."""
+def kernels() -> dict:
+    """Every numba kernel (dispatcher) defined at the top of a loaded tierlab module, by name."""
     import sys
 
     from numba.core.dispatcher import Dispatcher
 
-    found: dict[str, set[str]] = {}
+    found = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith("tierlab.") or module is None:
             continue
         for attr, value in list(vars(module).items()):
             if isinstance(value, Dispatcher) and value.__module__ == name:
-                found[f"{name}.{attr}"] = {str(sig) for sig in value.signatures}
+                found[f"{name}.{attr}"] = value
     return found
+
+
+def kernel_signatures() -> dict[str, set[str]]:
+    """Every kernel of `kernels()` and the argument types it is compiled for: a session after
+    the warm-up adds none (tests/test_warmup.py)."""
+    return {name: {str(sig) for sig in kernel.signatures} for name, kernel in kernels().items()}
 
 
 def new_signatures(before: dict[str, set[str]], after: dict[str, set[str]]) -> dict[str, list[str]]:

@@ -18,7 +18,7 @@ from tierlab.engine.knobs import Knobs
 from tierlab.engine.model import load_engine
 from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
-from tierlab.engine.warmup import STEPS, kernel_signatures, new_signatures, representative_layers
+from tierlab.engine.warmup import STEPS, kernels, representative_layers
 
 MODEL = tierlab.ASSETS_DIR / "tiny-moe"
 
@@ -71,6 +71,21 @@ def test_without_the_warm_up_the_same_session_meets_new_signatures():
 def test_with_a_gpu_tier_a_session_compiles_nothing(opencl_device):
     result = run_session(warm=True, tier=True)
     assert result["tier"] and result["new"] == {}
+
+
+def test_every_kernel_is_cached_on_disk():
+    import importlib
+    import pkgutil
+
+    import tierlab.engine
+
+    for module in pkgutil.walk_packages(tierlab.engine.__path__, "tierlab.engine."):
+        importlib.import_module(module.name)
+    importlib.import_module("tierlab.app.lab.belady")
+    found = kernels()
+    assert len(found) > 30 and any(name.startswith("tierlab.app.lab.") for name in found)
+    uncached = [name for name, kernel in found.items() if kernel.stats.cache_path is None]
+    assert uncached == []
 
 
 def decode(engine, n=10):
