@@ -262,7 +262,7 @@ class TierlabApp(App):
         self.sub_title = " · ".join(parts)
 
     def _cache_text(self) -> str:
-        """`cache 12/32 · 0.4 MiB`: RAM slots per layer of the expert count, and the RAM they
+        """`cache 12/32 · 4.5 MiB`: RAM slots per layer of the expert count, and the RAM they
         take (slots × expert bytes × MoE layers); `→ 8` while a new size waits for the engine."""
         engine = self.engine
         config = engine.config
