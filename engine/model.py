@@ -13,6 +13,7 @@ one TokenEvent per token to its subscribers (session logs, meters, the app).
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import defaultdict
@@ -74,6 +75,7 @@ class Engine:
             raise ModelError(f"--cache must be at least 1 (got {slots})")
         tier = tier or TierOptions()
         self.notices: list[str] = []
+        self.expert_source = source
         #: HEAT_FILE: the profile read at start, this process's routings, the write on close
         self.heat_log = HeatLog(tier.heat_file, cfg.n_layers, cfg.n_experts)
         #: where every expert lives (GPU tier, RAM cache, disk) and where it is computed
@@ -136,6 +138,44 @@ class Engine:
         self.tokens_timed = 0
         if self.pilot is not None:
             self.pilot.reset_meters()
+
+    def scratch_twin(self, layer_ids: list[int], slots: int, knobs: Knobs) -> "Engine":
+        """An engine that shares this one's weights, layers and expert source but owns its
+        sequence state, RAM cache (only for `layer_ids`, no GPU tier), router, prefetcher,
+        meters, heat and knobs, and runs only the layers in `layer_ids`: the kernel warm-up
+        runs it and leaves this engine exactly as it was. Close it with `close_twin`."""
+        from tierlab.engine.routing import Router
+
+        cfg = self.config
+        twin = copy.copy(self)
+        twin.knobs = knobs
+        twin.layers = [self.layers[i] for i in layer_ids]
+        chosen = set(layer_ids)
+        moe = [bool(m) and i in chosen for i, m in enumerate(cfg.moe_layers)]
+        twin.notices = []
+        twin.store = ExpertStore(_BorrowedSource(self.expert_source), cfg.n_layers, cfg.n_experts, slots, moe,
+                                 twin.notice)
+        twin.heat_log = HeatLog(None, cfg.n_layers, cfg.n_experts)
+        twin.heat = np.zeros_like(self.heat)
+        twin.meter_fold = MeterFold()
+        twin.timers = defaultdict(float)
+        twin.tokens_timed = 0
+        twin._listeners = []
+        twin._lock = threading.RLock()
+        twin._hot_pinned = False
+        twin.router = Router(cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
+        heads = [RouterHead(layer.post_norm, layer.mlp.router_w) if isinstance(layer.mlp, MoEBlock) else None
+                 for layer in self.layers]
+        twin.pilot = Pilot(cfg, twin.store, heads)
+        twin.reset()
+        return twin
+
+    def close_twin(self) -> None:
+        """Stop a scratch twin's prefetcher and readers; the shared expert source stays open."""
+        if self.pilot is not None:
+            self.pilot.close()
+            self.pilot = None
+        self.store.close()
 
     def cold_start(self) -> None:
         """Make the next run independent of earlier ones: empty RAM cache, fresh router and
@@ -295,6 +335,19 @@ class Engine:
                 "lm_head": int(self.lm_head.nbytes)}
 
 
+class _BorrowedSource:
+    """An expert source lent to a scratch twin's store: everything but `close` goes to the owner."""
+
+    def __init__(self, source) -> None:
+        self._source = source
+
+    def __getattr__(self, name: str):
+        return getattr(self._source, name)
+
+    def close(self) -> None:
+        pass
+
+
 def _is_matrix(value) -> bool:
     return isinstance(value, (QuantMatrix, RowStack)) or (isinstance(value, np.ndarray) and value.ndim == 2)
 
@@ -332,8 +385,13 @@ def open_expert_source(model_dir: Path, cfg: ModelConfig):
 
 
 def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Knobs | None = None,
-                with_tokenizer: bool = True, tier: TierOptions | None = None) -> Engine:
-    """Load a model folder or container; raises ModelError (one line) on bad input."""
+                with_tokenizer: bool = True, tier: TierOptions | None = None, warmup: bool = True,
+                progress=None) -> Engine:
+    """Load a model folder or container; raises ModelError (one line) on bad input.
+
+    With `warmup`, every kernel a session can reach is compiled (or loaded from numba's
+    on-disk cache) before this returns (engine/warmup.py); `progress(done, total, label,
+    compiled)` hears each step."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelError("not a folder", model_dir)
@@ -355,6 +413,16 @@ def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Kn
     from tierlab.engine.routing import Router
 
     engine.router = Router(cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
+    if warmup:
+        from tierlab.engine.warmup import warm_up
+
+        try:
+            warm_up(engine, progress)
+        except Exception as exc:  # the engine itself is intact: kernels then compile on first use
+            engine.notice(f"kernel warm-up failed ({type(exc).__name__}: {exc}); kernels compile on first use")
+        except BaseException:
+            engine.close()
+            raise
     return engine
 
 

@@ -16,7 +16,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "and tuning the routing knobs live. Takes the same model, cache, tier and knob flags as every "
         "other command.",
     )
-    add_model_args(parser)
+    add_model_args(parser, cache_default="3/8 of the experts, at least 2*top-K, at most all but one: 12 of 32 "
+                   "for the shipped model")
     parser.add_argument("--sessions", type=Path, default=Path("tierlab-sessions"), metavar="DIR",
                         help="folder for recorded session logs, saved heat and A/B exports (default: ./tierlab-sessions)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

@@ -26,12 +26,13 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(Path(args.model), getattr(args, "cache", None), tier, knobs)
 
 
-def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
+def add_model_args(parser: argparse.ArgumentParser, cache: bool = True,
+                   cache_default: str = "all experts") -> None:
     parser.add_argument("--model", metavar="DIR", type=Path, default=default_model(),
                         help=f"model folder or tierlab container (default: the shipped {default_model().name})")
     if cache:
         parser.add_argument("--cache", type=int, metavar="N", default=None,
-                            help="RAM expert cache slots per layer (default: all experts)")
+                            help=f"RAM expert cache slots per layer (default: {cache_default})")
     tier = parser.add_argument_group("GPU tier and heat profile (flags override TIER, TIER_GB, TIER_DEVICE, "
                                      "TIER_NO_WARMSTART, HEAT_FILE)")
     tier.add_argument("--tier", action="store_const", const=True, default=None,
@@ -50,8 +51,45 @@ def add_model_args(parser: argparse.ArgumentParser, cache: bool = True) -> None:
 
 
 def open_engine(args: argparse.Namespace, with_tokenizer: bool = True) -> EngineSurface:
-    """The engine the flags describe."""
-    return options_from_args(args).open(with_tokenizer=with_tokenizer)
+    """The engine the flags describe; kernel compiles during loading are reported on stderr."""
+    progress = CompileProgress(sys.stderr)
+    try:
+        return options_from_args(args).open(with_tokenizer=with_tokenizer, progress=progress)
+    finally:
+        progress.finish()
+
+
+class CompileProgress:
+    """The kernel warm-up's progress on stderr, only while numba compiles (cache loads stay quiet):
+    one line rewritten in place on a terminal, a line per step otherwise."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.shown = False
+        self._last = ""
+        self._last_step = -1
+        self._last_compiled = 0
+
+    def __call__(self, done: int, total: int, label: str, compiled: int) -> None:
+        if compiled == 0:
+            return
+        line = f"tierlab: compiling kernels {done}/{total} ({label}, {compiled} compiled)"
+        if self.tty:
+            self.stream.write("\r" + line.ljust(len(self._last)))
+        elif done == total or (done != self._last_step and compiled > self._last_compiled):
+            self.stream.write(line + "\n")  # a line for each step that compiled, and the last
+            self._last_step, self._last_compiled = done, compiled
+        else:
+            return
+        self.stream.flush()
+        self._last = line
+        self.shown = True
+
+    def finish(self) -> None:
+        if self.shown and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def print_notices(engine: EngineSurface) -> None:

@@ -9,6 +9,7 @@ start of each token.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import time
@@ -28,7 +29,7 @@ from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
-from tierlab.engine.options import EngineOptions
+from tierlab.engine.options import EngineOptions, first_run_slots
 from tierlab.engine.surface import EngineSurface
 from tierlab.widgets.heatmap import ExpertHeatmap
 from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch
@@ -43,6 +44,16 @@ SIDE_INTERVAL = 0.5
 """Seconds between redraws of heatmap, meter values and sub-title while a reply streams."""
 PLOT_INTERVAL = 1.0
 """Seconds between redraws of the plot and the sparklines while a reply streams (the costly views); again at the end."""
+
+
+def warm_oracle_kernels() -> None:
+    """The oracle band replays Belady and LRU on its own thread while a reply streams; a first
+    compile there would take the engine's CPU mid-reply, so the app compiles them while loading."""
+    from tierlab.app.lab.belady import belady_hits, lru_hits
+
+    requests = [[0, 1], [1, 2], [0, 2]]
+    belady_hits(requests, 2)
+    lru_hits(requests, 2)
 
 
 def one_line(exc: BaseException) -> str:
@@ -113,6 +124,10 @@ class TierlabApp(App):
         self._plot_drawn_at = -PLOT_INTERVAL
         self._side_drawn_at = -SIDE_INTERVAL
         self._initial_slots = 0
+        self._cache_lock = threading.Lock()
+        self._cache_wanted: int | None = None
+        """A RAM cache size chosen while the engine was busy, for the cache worker to apply."""
+        self._cache_worker_running = False
 
     # -- layout --------------------------------------------------------------
 
@@ -151,7 +166,9 @@ class TierlabApp(App):
 
     @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
     def load_engine(self) -> None:
-        """Open the model without blocking the screen (first loads compile kernels)."""
+        """Open the model without blocking the screen; the kernel warm-up's progress is shown
+        in the loading placeholder and the sub-title. Without --cache the RAM cache starts
+        smaller than the expert count (`first_run_slots`), so the routing lever has work."""
         if self.engine_factory is None and self.options is None:
             self._call_ui(self._engine_failed, "no model: start with --model DIR")
             return
@@ -159,7 +176,15 @@ class TierlabApp(App):
             if self.engine_factory is not None:
                 engine = self.engine_factory()
             else:
-                engine = self.options.open()
+                options = self.options
+                if options.cache is None:
+                    from tierlab.engine.config import load_config
+
+                    config = load_config(Path(options.model))
+                    options = dataclasses.replace(options, cache=first_run_slots(config.n_experts, config.top_k))
+                engine = options.open(progress=self._loading_progress)
+                self._call_ui(self._show_loading, "compiling kernels · the oracle's replays")
+                warm_oracle_kernels()
         except TierlabError as exc:
             self._call_ui(self._engine_failed, one_line(exc))
             return
@@ -167,6 +192,22 @@ class TierlabApp(App):
             self._call_ui(self._engine_failed, f"{type(exc).__name__}: {one_line(exc)}")
             return
         self._call_ui(self._engine_ready, engine)
+
+    def _loading_progress(self, done: int, total: int, label: str, compiled: int) -> None:
+        """From the loading thread: the kernel warm-up's step, for the screen."""
+        text = f"compiling kernels {done}/{total}" + (f" · {label}" if done < total else "")
+        if compiled:
+            text += f" · {compiled} compiled"
+        self._call_ui(self._show_loading, text)
+
+    def _show_loading(self, text: str) -> None:
+        if self.engine is not None:
+            return
+        name = self.model_dir.name if self.model_dir else "the model"
+        self.sub_title = f"loading {name}… {text}"
+        heatmap = self.query_one(ExpertHeatmap)
+        heatmap.placeholder = f"loading {name}… {text}"
+        heatmap.refresh()
 
     def _engine_failed(self, message: str) -> None:
         self.sub_title = "no model"
@@ -210,7 +251,7 @@ class TierlabApp(App):
         parts = [
             Path(self.engine.model_dir).name,
             f"{config.n_layers}L × {config.n_experts}E top-{config.top_k}",
-            f"cache {self.engine.cache_slots()}",
+            self._cache_text(),
         ]
         if self.watch is not None:
             parts.append(f"{self.watch.tokens_seen} tok")
@@ -219,6 +260,20 @@ class TierlabApp(App):
         if self.recorder is not None:
             parts.append("● REC")
         self.sub_title = " · ".join(parts)
+
+    def _cache_text(self) -> str:
+        """`cache 12/32 · 4.5 MiB`: RAM slots per layer of the expert count, and the RAM they
+        take (slots × expert bytes × MoE layers); `→ 8` while a new size waits for the engine."""
+        engine = self.engine
+        config = engine.config
+        slots = engine.cache_slots()
+        stats = engine.store_stats()
+        mib = slots * stats.blob_nbytes * sum(1 for moe in config.moe_layers if moe) / 2**20
+        text = f"cache {slots}/{config.n_experts} · {mib:.3g} MiB"
+        wanted = self._cache_wanted
+        if wanted is not None and wanted != slots:
+            text += f" → {wanted}"
+        return text
 
     def _view_tick(self) -> None:
         """Everything that changes while a reply streams is drawn here, so it all lands in one frame."""
@@ -384,18 +439,64 @@ class TierlabApp(App):
             self.query_one(KnobsPanel).show(self.engine.knobs.snapshot())
 
     def set_cache_slots(self, slots: int) -> None:
+        """Resize the RAM cache without waiting on the engine: with no reply running it applies
+        now; during a reply a worker thread applies it between two tokens (the latest size
+        wins), while the knob and the sub-title show the size on its way."""
         if self.engine is None:
             return
+        slots = int(slots)
+        if self._engine_idle.is_set() and not self._cache_worker_running:
+            self._apply_cache_now(slots)
+            return
+        with self._cache_lock:
+            self._cache_wanted = slots
+            start = not self._cache_worker_running
+            self._cache_worker_running = True
+        if start:
+            self._cache_worker()
+        self._update_subtitle()
+
+    def _apply_cache_now(self, slots: int) -> None:
         old = self.engine.cache_slots()
         try:
-            self.engine.set_cache_slots(int(slots))
+            self.engine.set_cache_slots(slots)
         except (TierlabError, ValueError) as exc:
-            self.notify(one_line(exc), title="RAM cache", severity="warning")
-            return
-        if self.watch is not None:
-            self.watch.mark(f"cache={int(slots)}")
-        if self.recorder is not None:
-            self.recorder.note_setting("cache_slots", old, int(slots))
+            self._cache_applied(old, slots, one_line(exc))
+        else:
+            self._cache_applied(old, slots, None)
+
+    @work(thread=True, group="cache", exit_on_error=False)
+    def _cache_worker(self) -> None:
+        """Apply the wanted RAM cache size; the engine takes it between two tokens."""
+        engine = self.engine
+        while True:
+            with self._cache_lock:
+                slots = self._cache_wanted
+                if slots is None:
+                    self._cache_worker_running = False
+                    return
+            old = engine.cache_slots()
+            error = None
+            try:
+                engine.set_cache_slots(slots)
+            except (TierlabError, ValueError) as exc:
+                error = one_line(exc)
+            except Exception as exc:  # an engine bug must not take the app down
+                error = f"{type(exc).__name__}: {one_line(exc)}"
+            with self._cache_lock:
+                if self._cache_wanted == slots:
+                    self._cache_wanted = None
+            self._call_ui(self._cache_applied, old, slots, error)
+
+    def _cache_applied(self, old: int, slots: int, error: str | None) -> None:
+        if error is not None:
+            self.notify(error, title="RAM cache", severity="warning")
+            self.query_one(KnobsPanel).show(self.engine.knobs.snapshot(), self.engine.cache_slots())
+        elif slots != old:
+            if self.watch is not None:
+                self.watch.mark(f"cache={slots}")
+            if self.recorder is not None:
+                self.recorder.note_setting("cache_slots", old, slots)
         self._update_subtitle()
 
     def on_knob_changed(self, event: Knob.Changed) -> None:

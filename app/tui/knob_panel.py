@@ -69,7 +69,8 @@ class KnobsPanel(VerticalScroll):
             yield Knob(name, low, high, value=getattr(defaults, name), default=spec.default,  # type: ignore[arg-type]
                        integer=spec.kind is int, step=step, big_step=big, help=spec.help, id=knob_id(name))
         yield Knob(CACHE_SLOTS, 1, max(1, self.n_experts), value=self.cache_slots, default=self.cache_slots, integer=True,
-                   help="RAM cache slots per layer (experts kept in memory)", id=knob_id(CACHE_SLOTS))
+                   help="RAM cache slots per layer (experts kept in memory; ┊ marks the size at start)",
+                   id=knob_id(CACHE_SLOTS))
         yield Button("Reset to defaults", id="reset-knobs", compact=True)
 
     def configure(self, top_k: int, n_experts: int, cache_slots: int) -> None:
