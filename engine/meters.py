@@ -123,6 +123,8 @@ def read_store_counters(engine) -> dict[str, int]:
 
 STATE_KEYS = frozenset({"ram_slots", "tier_residents"})
 """Store entries that describe a state (taken from the latest event); every other entry is a counter."""
+DERIVED_KEYS = frozenset({"prefetch_wasted"})
+"""Store entries computed from other counters: the summary recomputes them from the window's counts."""
 
 LEVER_KEYS = ("swap", "swaps_to_vram")
 """Meters of the lever itself: None while CACHE_ROUTE is off."""
@@ -135,7 +137,7 @@ def store_deltas(previous: Mapping[str, int], current: Mapping[str, int]) -> dic
     was reset: its whole value is new). State entries are left out."""
     out = {}
     for key, value in current.items():
-        if key in STATE_KEYS:
+        if key in STATE_KEYS or key in DERIVED_KEYS:
             continue
         grown = value - previous.get(key, 0)
         out[key] = grown if grown >= 0 else value
@@ -299,6 +301,8 @@ class MeterFold:
         out.update(self.counts)
         bytes_read = self.counts.get("bytes_read")
         out["disk_mib"] = bytes_read / 2**20 / self.tokens if bytes_read is not None and self.tokens else None
+        if "prefetch_issued" in self.counts and "prefetch_useful" in self.counts:
+            out["prefetch_wasted"] = max(self.counts["prefetch_issued"] - self.counts["prefetch_useful"], 0)
         if "prefetch_hits" in self.counts:
             without = max(self.ram_hits - self.counts["prefetch_hits"], 0)
             out["ram_hit_without_prefetch"] = without / requests if requests else None
