@@ -73,7 +73,7 @@ CATALOGUE: tuple[Meter, ...] = (
     Meter("ram_hit", "RAM hit", "RAM hit", RATE, ".1f", "5.1f", "experts found in the RAM cache"),
     Meter("shadow_hit", "shadow", "shadow", RATE, ".1f", "5.1f",
           "RAM hit rate the router's stock top-K would have had in the same cache state"),
-    Meter("ram_hit_without_prefetch", "RAM hit w/o prefetch", "no prefetch", RATE, ".1f", "5.1f",
+    Meter("ram_hit_without_prefetch", "RAM hit w/o prefetch", "w/o PILOT", RATE, ".1f", "5.1f",
           "RAM hit rate without the hits prefetch bought"),
     Meter("vram_hit", "VRAM hit", "VRAM hit", RATE, ".1f", "5.1f", "experts served by the GPU tier"),
     Meter("shadow_vram", "VRAM shadow", "VRAM shadow", RATE, ".1f", "5.1f",
