@@ -296,6 +296,8 @@ class MeterFold:
             "shadow_vram": (self.shadow_vram / self.shadow_slots
                             if (self.gpu_tier or self.shadow_vram) and self.shadow_slots else None),
             "shadow_vram_served": self.shadow_vram,
+            "layer_ram_hit": self.layer_hit_rates(),
+            "layer_shadow_hit": self.layer_shadow_rates(),
         }
         out.update({k: v for k, v in self.store.items() if k in STATE_KEYS})
         out.update(self.counts)
