@@ -12,6 +12,7 @@ from tierlab.engine.meters import MeterFold
 from tierlab.engine.model import load_engine
 
 MODEL = ASSETS_DIR / "tiny-moe"  # 32 experts, top-4
+MODEL_EXPERT_BYTES = 49152  # one bf16 expert of tiny-moe
 REF = json.loads((MODEL / "ref.json").read_text())
 
 
@@ -61,3 +62,30 @@ def test_with_the_lever_on_the_stock_top_k_would_have_hit_less():
     worse = [layer for layer, (s, r) in enumerate(zip(fold.layer_shadow_rates(), fold.layer_hit_rates()))
              if s is not None and s < r]
     assert worse  # per layer too
+
+
+def test_the_vram_shadow_equals_the_vram_hit_with_the_lever_off(opencl_device):
+    from tierlab.engine.tiering import TierOptions
+
+    expert_gib = MODEL_EXPERT_BYTES / 2**30
+    engine = load_engine(MODEL, cache_slots=8, knobs=Knobs.from_env({}), with_tokenizer=False,
+                         tier=TierOptions(enabled=True, budget=str(60 * expert_gib)))
+    events = []
+    engine.subscribe(events.append)
+    try:
+        assert engine.tier_description() is not None
+        logits = engine.prefill(REF["prompt_ids"])
+        for _ in range(12):
+            logits = engine.step(int(logits.argmax()))
+        blob = engine.store_stats().blob_nbytes
+    finally:
+        engine.close()
+    assert blob == MODEL_EXPERT_BYTES
+    fold = MeterFold()
+    for event in events:
+        fold.add(event)
+        for route in event.layers:
+            assert (route.shadow_ram_hits, route.shadow_ram_misses, route.shadow_vram) == (
+                route.ram_hits, route.ram_misses, route.vram_served)
+    m = fold.summary()
+    assert 0 < m["vram_hit"] < 1 and m["shadow_vram"] == m["vram_hit"] and m["shadow_hit"] == m["ram_hit"]
