@@ -195,7 +195,19 @@ def format_report(engine: Engine, result: dict) -> list[str]:
         f"attention {ms['attention']:.2f} deltanet {ms['deltanet']:.2f} router {ms['router']:.2f} "
         f"shared {ms['shared']:.2f} tier {ms['tier']:.2f} lm_head {ms['lm_head']:.2f} other {ms['other']:.2f}"
     )
+    segments = result.get("segments") or []
+    if len(segments) > 1:  # a knob script: each setting's own figures (meters in percent, as JSON writes them)
+        for seg in segments:
+            m = seg["meters"]
+            shown = " ".join(f"{k}={v}" for k, v in seg["set"].items()) or "start"
+            lines.append(f"segment {seg['from']}-{seg['to']} ({shown}): RAM hit {_pct(m.get('ram_hit'))} "
+                         f"shadow {_pct(m.get('shadow_hit'))} swap {_pct(m.get('swap'))} "
+                         f"agree {_pct(m.get('route_agree'))}")
     return lines
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{value:.1f}%"
 
 
 def _show(result: dict, key: str) -> str:
