@@ -9,7 +9,6 @@ import pytest
 
 from conftest import run_cli
 from tierlab import ASSETS_DIR
-from tierlab.app.lab.evaluate import log_softmax_nll
 from tierlab.app.lab.knob_script import parse_knobs_at
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.knobs import Knobs
