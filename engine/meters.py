@@ -273,7 +273,7 @@ class MeterFold:
             "vram_hit": (self.vram_served / self.vram_slots
                          if (self.gpu_tier or self.vram_served) and self.vram_slots else None),
             "vram_served": self.vram_served,
-            "tok_s": 1000.0 * timed / self.total_ms if self.total_ms > 0 else None,
+            "tok_s": 1000.0 * timed / self.total_ms if timed and self.total_ms > 0 else None,
             "fetch_ms": self.ms.get("fetch", 0.0) / timed if timed else None,
             "compute_ms": self.ms.get("compute", 0.0) / timed if timed else None,
             "ms_per_token": {k: v / timed for k, v in self.ms.items()} if timed else {},

@@ -210,6 +210,13 @@ def test_the_recent_window_slides_and_resizes():
     assert window_title("recent", 1) == "last 1 tok" and window_title("knob") == "since knob change"
     with pytest.raises(ValueError):
         wm.set_recent(0)
+    # a window whose timed tokens have all left it has no tok/s (not 0, whatever float dust is left)
+    wm = WindowedMeters(recent=1)
+    for ms in (0.1, 0.2, 0.7):
+        wm.add(TokenEvent(0, 1, "decode", [route(0, [1, 2], 1, 1)], {"total": ms}))
+    wm.add(TokenEvent(1, 2, "prefill", [route(0, [1, 2], 1, 1)], {"total": 5.0}))
+    assert wm.summary("recent")["tok_s"] is None and wm.summary("recent")["fetch_ms"] is None
+    assert wm.summary("total")["tok_s"] == pytest.approx(2 / 0.0009)
 
 
 def test_store_counters_become_deltas():
