@@ -38,6 +38,11 @@ class LayerRoute:
     ram_hits: int = 0  # chosen experts found in the RAM cache
     ram_misses: int = 0  # chosen experts read from disk
     vram_served: int = 0  # chosen experts computed by the GPU tier
+    # The shadow meter: what the router's stock top-K (`true_topk`) would have met in the same
+    # cache state (the store counts it where it decides the realised hits; all 0 when not counted)
+    shadow_ram_hits: int = 0  # stock top-K experts a RAM slot held
+    shadow_ram_misses: int = 0  # stock top-K experts that would have been read from disk
+    shadow_vram: int = 0  # stock top-K experts the GPU tier held
 
 
 @dataclass

@@ -21,6 +21,16 @@ the token it was fetched for, and records how many layers ahead the read
 finished (the layer using it minus the layer the engine was at when the read
 completed; `ledger_position` says where the engine is).
 
+The shadow meter is counted here too, where the realised hits are decided:
+given the router's stock top-K (`stock`), the store says how many of those
+experts the GPU tier held, how many a RAM slot held and how many would have
+been read from disk, in the same cache state. A stock expert that was also
+chosen counts as what it realised; one that was not chosen counts by where
+it lived when the token's experts were claimed (a RAM slot holding it or
+loading it counts as RAM, as a claim would have waited for the load). With
+the routing lever off the stock top-K is the chosen set, so the shadow
+equals the realised figures exactly.
+
 A device failure (`TierFailure`) is handled here: the store drops the tier,
 says so once through its notice callback, and computes on the CPU.
 
@@ -89,6 +99,26 @@ class PrefetchLedger:
     blob_nbytes: int  # bytes of one read
 
 
+@dataclass(frozen=True)
+class Shadow:
+    """Where the router's stock top-K experts of one token and layer were: the shadow meter's counts."""
+
+    ram_hits: int  # held by a RAM slot
+    ram_misses: int  # would have been read from disk
+    vram: int  # held by the GPU tier
+
+
+def count_shadow(stock: np.ndarray, where: dict[int, int], realised: dict[int, int]) -> Shadow:
+    """The shadow counts of a stock top-K: each expert's realised level if it was chosen, else
+    where it lived (`where`); levels 2 GPU tier, 1 RAM, 0 disk."""
+    counts = [0, 0, 0]
+    for e in stock:
+        e = int(e)
+        if e >= 0:
+            counts[realised.get(e, where.get(e, 0))] += 1
+    return Shadow(ram_hits=counts[1], ram_misses=counts[0], vram=counts[2])
+
+
 class HeldExperts:
     """One token's experts held in RAM slots (from `ExpertStore.acquire`, until `release`).
 
@@ -96,13 +126,14 @@ class HeldExperts:
     expert to its background read, `loaded` lists the misses already read in this thread.
     """
 
-    __slots__ = ("layer", "plan", "futures", "loaded")
+    __slots__ = ("layer", "plan", "futures", "loaded", "shadow")
 
     def __init__(self, layer: int, plan: list[tuple[int, int, bool]]) -> None:
         self.layer = layer
         self.plan = plan
         self.futures: dict = {}
         self.loaded: set[int] = set()
+        self.shadow: Shadow | None = None  # the stock top-K's count, when acquire was given one
 
     def hit(self, i: int) -> bool:
         return not self.plan[i][2]
@@ -257,21 +288,41 @@ class ExpertStore:
                 if st is not None:
                     st["pf_pass"][:] = -1
 
+    def _where(self, layer: int, stock: np.ndarray | None, tier) -> dict[int, int]:
+        """Under the lock: the level of each stock expert now (2 GPU tier, 1 a RAM slot holds or
+        loads it, 0 disk)."""
+        if stock is None:
+            return {}
+        slot_of = self._layers[layer]["slot_of"]
+        where = {}
+        for e in stock:
+            e = int(e)
+            if e >= 0:
+                if tier is not None and tier.is_resident(layer, e):
+                    where[e] = LEVEL_GPU
+                else:
+                    where[e] = 1 if slot_of[e] >= 0 else 0
+        return where
+
     # -- computing a token's experts ---------------------------------------------------
     def compute(self, layer: int, chosen: np.ndarray, x: np.ndarray, outputs: np.ndarray,
-                timers: dict) -> tuple[int, int, list[int]]:
+                timers: dict, stock: np.ndarray | None = None) -> tuple[int, int, list[int], Shadow | None]:
         """outputs[s] = expert chosen[s] applied to x, unweighted, for every slot with chosen[s] >= 0.
 
         GPU-resident experts run on the device while the CPU computes the rest from RAM (a
         token's misses after the first are read in the background while earlier experts
         compute). Adds to timers "fetch", "compute" and "tier". Returns (RAM hits, RAM
-        misses, the slots the device computed).
+        misses, the slots the device computed, the shadow counts of `stock` — the router's
+        stock top-K — or None without one).
         """
         K = chosen.shape[0]
         source = self._source
         hits = misses = 0
         on_gpu: list[int] = []
         tier = self._tier
+        with self._cond:
+            where = self._where(layer, stock, tier)
+        realised: dict[int, int] = {}  # chosen expert -> level it was served from
         if tier is not None:
             on_gpu = [s for s in range(K) if chosen[s] >= 0 and tier.is_resident(layer, int(chosen[s]))]
         handle = None
@@ -294,6 +345,7 @@ class ExpertStore:
                         hits += 1
                     else:
                         misses += 1
+                    realised[int(chosen[s])] = int(held.hit(i))
             finally:
                 self.release(held)
             cpu_slots = []
@@ -312,6 +364,7 @@ class ExpertStore:
                 hits += 1
             else:
                 misses += 1
+            realised[e] = int(hit)
         if handle is not None:
             t0 = time.perf_counter()
             results = self._tier_collect(tier, handle)
@@ -326,11 +379,14 @@ class ExpertStore:
                         self._release_one(layer, e)
                     hits += int(hit)
                     misses += int(not hit)
+                    realised[e] = int(hit)
                 on_gpu = []
             else:
                 for i, s in enumerate(on_gpu):
                     outputs[s] = results[i]
-        return hits, misses, on_gpu
+                    realised[int(chosen[s])] = LEVEL_GPU
+        shadow = count_shadow(stock, where, realised) if stock is not None else None
+        return hits, misses, on_gpu, shadow
 
     def forward_tokens(self, blob: np.ndarray, xs: np.ndarray) -> np.ndarray:
         """One expert (a RAM blob from `blob`) on several tokens at once: float32[T, H], each row
@@ -339,17 +395,19 @@ class ExpertStore:
         return expert_forward_tokens(source.kind, blob, source.hidden, source.inter, xs)
 
     # -- holding RAM slots ---------------------------------------------------------------
-    def acquire(self, layer: int, experts: list[int]) -> HeldExperts | None:
+    def acquire(self, layer: int, experts: list[int], stock: np.ndarray | None = None) -> HeldExperts | None:
         """Claim RAM slots for all of one token's experts at once, counting hits and misses; a
         token's resident experts are held before its misses pick victims (the K experts of a
         token are needed together). Misses after the first are read in the background; `blob`
         waits for one. None when the layer has fewer slots than experts (or an expert twice).
+        With `stock` (the router's stock top-K) the held experts carry its shadow counts.
         Pair with `release`."""
         if len(experts) > self._slots or len(set(experts)) != len(experts):
             return None
         st = self._layers[layer]
         plan: list = [None] * len(experts)
         with self._cond:
+            where = self._where(layer, stock, self._tier)
             # first hold the experts already resident, so that loading this token's misses
             # never evicts one of its own hits; then claim slots for the misses in rank order
             resident = [i for i, e in enumerate(experts)
@@ -357,6 +415,8 @@ class ExpertStore:
             for i in resident + [i for i in range(len(experts)) if i not in resident]:
                 plan[i] = (experts[i], *self._take(layer, experts[i]))
         held = HeldExperts(layer, plan)
+        if stock is not None:
+            held.shadow = count_shadow(stock, where, {e: int(not must) for e, _, must in plan})
         missing = [(e, s) for e, s, must in plan if must]
         for e, s in missing[1:]:
             held.futures[e] = self._readers().submit(self._load, layer, e, s)

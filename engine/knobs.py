@@ -179,6 +179,11 @@ class Knobs:
     def snapshot(self) -> KnobValues:
         return self._values
 
+    def versioned(self) -> tuple[int, KnobValues]:
+        """The snapshot and the number of the last change it includes, read together."""
+        with self._lock:
+            return self._seq, self._values
+
     def get(self, name: str) -> object:
         return getattr(self._values, name)
 

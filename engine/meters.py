@@ -8,16 +8,29 @@ integers (and one float per measured routing decision); `summary` turns the
 counts into rates in [0, 1], milliseconds, nats and counts. A meter without
 samples is None, shown as "–", never as 0. Percent appears only where a
 value is shown (`Meter.show`) or written as JSON (`meters_json`).
+
+`WindowedMeters` keeps three folds over the same events (docs/app.md
+"Meters and windows"): the last N tokens, the tokens since the last knob
+change (a new `knob_seq` or a new RAM cache size) and every token since it
+started. The app's watch, the CLI's `--knobs-at` segments and session logs
+all use it. Its timing rule: tok/s, fetch ms and compute ms fold decode
+tokens only, and never the first decode token it sees (a fresh engine's
+first pass may include compile time).
+
+The store's counters arrive in each event as totals since the last reset;
+the fold turns them into per-token deltas (`store_deltas`), so a window's
+"MiB read from disk per token" and prefetch figures are that window's own.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from tierlab.engine.events import TokenEvent
 
-RATE, MS, NATS, TOK_S, TEXT = "rate", "ms", "nats", "tok/s", "text"
+RATE, MS, NATS, TOK_S, MIB, TEXT = "rate", "ms", "nats", "tok/s", "MiB", "text"
 MISSING = "–"
 
 
@@ -28,7 +41,7 @@ class Meter:
     key: str
     title: str  # column title of tables
     label: str  # short label of the app's meter panel
-    unit: str  # RATE (a fraction, shown as percent), MS, NATS, TOK_S or TEXT
+    unit: str  # RATE (a fraction, shown as percent), MS, NATS, TOK_S, MIB or TEXT
     table: str  # format spec in tables
     panel: str  # format spec in the app's panel (fixed width)
     help: str
@@ -56,10 +69,15 @@ CATALOGUE: tuple[Meter, ...] = (
     Meter("tok_s", "tok/s", "tok/s", TOK_S, ".2f", "6.1f", "tokens per second"),
     Meter("fetch_ms", "fetch ms/tok", "fetch ms", MS, ".1f", "6.2f", "expert fetch time per token"),
     Meter("compute_ms", "compute ms/tok", "compute ms", MS, ".1f", "6.2f", "compute time per token"),
+    Meter("disk_mib", "disk MiB/tok", "disk MiB", MIB, ".3f", "6.3f", "MiB read from disk per token"),
     Meter("ram_hit", "RAM hit", "RAM hit", RATE, ".1f", "5.1f", "experts found in the RAM cache"),
-    Meter("ram_hit_without_prefetch", "RAM hit w/o prefetch", "no prefetch", RATE, ".1f", "5.1f",
+    Meter("shadow_hit", "shadow", "shadow", RATE, ".1f", "5.1f",
+          "RAM hit rate the router's stock top-K would have had in the same cache state"),
+    Meter("ram_hit_without_prefetch", "RAM hit w/o prefetch", "w/o PILOT", RATE, ".1f", "5.1f",
           "RAM hit rate without the hits prefetch bought"),
     Meter("vram_hit", "VRAM hit", "VRAM hit", RATE, ".1f", "5.1f", "experts served by the GPU tier"),
+    Meter("shadow_vram", "VRAM shadow", "VRAM shadow", RATE, ".1f", "5.1f",
+          "stock top-K experts the GPU tier held in the same state"),
     Meter("oracle_hit", "oracle hit", "oracle hit", RATE, ".1f", "5.1f",
           "hit rate of an optimal (Belady) cache on the same requests"),
     Meter("swap", "swap", "swap", RATE, ".1f", "5.1f", "chosen slots filled by a resident substitute"),
@@ -119,6 +137,45 @@ def read_store_counters(engine) -> dict[str, int]:
     return out
 
 
+STATE_KEYS = frozenset({"ram_slots", "tier_residents"})
+"""Store entries that describe a state (taken from the latest event); every other entry is a counter."""
+DERIVED_KEYS = frozenset({"prefetch_wasted"})
+"""Store entries computed from other counters: the summary recomputes them from the window's counts."""
+
+LEVER_KEYS = ("swap", "swaps_to_vram")
+"""Meters of the lever itself: None while CACHE_ROUTE is off."""
+ROUTE_METER_KEYS = ("route_agree", "route_kl")
+"""Meters of the routing meters: None while they are off (ROUTE_AGREE)."""
+
+
+def store_deltas(previous: Mapping[str, int], current: Mapping[str, int]) -> dict[str, int]:
+    """How much each store counter grew from `previous` to `current` (a counter that went down
+    was reset: its whole value is new). State entries are left out."""
+    out = {}
+    for key, value in current.items():
+        if key in STATE_KEYS or key in DERIVED_KEYS:
+            continue
+        out[key] = _grown(previous.get(key), value)
+    return out
+
+
+def _grown(previous, current):
+    """A counter's growth; per-layer counters (a dict of lists, e.g. `prefetch_layers`) grow per entry."""
+    if isinstance(current, dict):
+        previous = previous if isinstance(previous, dict) else {}
+        return {k: [_grown(p, c) for p, c in zip(previous.get(k, [0] * len(v)), v)] for k, v in current.items()}
+    grown = current - (previous or 0)
+    return grown if grown >= 0 else current
+
+
+def _added(total, value, sign: int):
+    """`total + sign * value` for a counter or a dict of per-layer lists."""
+    if isinstance(value, dict):
+        total = total if isinstance(total, dict) else {}
+        return {k: [t + sign * v for t, v in zip(total.get(k, [0] * len(vs)), vs)] for k, vs in value.items()}
+    return (total or 0) + sign * value
+
+
 def _total_ms(timings: Mapping[str, float]) -> float:
     """A token's time: its 'total' entry, else the sum of its parts."""
     total = timings.get("total")
@@ -146,57 +203,95 @@ class MeterFold:
     agree_tot: int = 0
     kl_sum: float = 0.0
     kl_count: int = 0
+    shadow_hits: int = 0  # the stock top-K's RAM hits in the same cache state (the shadow meter)
+    shadow_misses: int = 0
+    shadow_vram: int = 0
+    shadow_slots: int = 0  # stock top-K slots of the decisions the store counted, the VRAM shadow's denominator
+    layer_shadow_hits: list[int] = field(default_factory=list)
+    layer_shadow_misses: list[int] = field(default_factory=list)
     timed_tokens: int = 0
     total_ms: float = 0.0
     ms: dict[str, float] = field(default_factory=dict)  # per timer, summed over timed tokens
+    counts: dict[str, int] = field(default_factory=dict)  # store counters grown over the folded tokens
     store: dict[str, int] = field(default_factory=dict)  # the latest event's store counters
+    last_store: dict[str, int] = field(default_factory=dict)  # totals at the latest event, for `store_deltas`
 
     def reset(self) -> None:
         """Forget every count (the timing phase stays)."""
         self.__init__(timing_phase=self.timing_phase)
 
-    def add(self, event: TokenEvent) -> None:
-        """Fold one token in."""
-        self.tokens += 1
-        hits, misses = self.layer_hits, self.layer_misses
-        for route in event.layers:
-            layer = route.layer
-            if layer >= len(hits):
-                grow = layer + 1 - len(hits)
-                hits.extend([0] * grow)
-                misses.extend([0] * grow)
-            hits[layer] += route.ram_hits
-            misses[layer] += route.ram_misses
-            self.ram_hits += route.ram_hits
-            self.ram_misses += route.ram_misses
-            self.vram_served += route.vram_served
-            self.vram_slots += route.chosen.shape[0]
-            if route.measured:
-                self.decisions += 1
-                self.slots += route.slots
-                self.swaps += route.swaps
-                self.swaps_vram += route.swaps_vram
-                self.agree_hit += route.slots - route.swaps
-                self.agree_tot += route.slots
-                if route.kl is not None:
-                    self.kl_sum += route.kl
-                    self.kl_count += 1
-        timings = event.timings_ms
-        if timings and (self.timing_phase is None or event.phase == self.timing_phase):
-            self.timed_tokens += 1
-            self.total_ms += _total_ms(timings)
-            ms = self.ms
-            for key, value in timings.items():
-                if key != "total" and value is not None:
-                    ms[key] = ms.get(key, 0.0) + value
+    def add(self, event: TokenEvent, timed: bool | None = None, deltas: Mapping[str, int] | None = None) -> None:
+        """Fold one token in. `timed`: fold its timings (default: it has some, of the timing
+        phase); `deltas`: how much the store's counters grew with it (default: from the
+        previous event this fold saw)."""
+        if timed is None:
+            timed = bool(event.timings_ms) and (self.timing_phase is None or event.phase == self.timing_phase)
+        if deltas is None:
+            deltas = store_deltas(self.last_store, event.store) if event.store else {}
+            if event.store:
+                self.last_store = event.store
+        self._apply(event, timed, deltas, 1)
         if event.gpu_tier:
             self.gpu_tier = True
         if event.store:
             self.store = event.store
 
+    def remove(self, event: TokenEvent, timed: bool, deltas: Mapping[str, int]) -> None:
+        """Take out a token folded in earlier with the same `timed` and `deltas` (a sliding window)."""
+        self._apply(event, timed, deltas, -1)
+
+    def _apply(self, event: TokenEvent, timed: bool, deltas: Mapping[str, int], sign: int) -> None:
+        self.tokens += sign
+        hits, misses = self.layer_hits, self.layer_misses
+        shadow_hits, shadow_misses = self.layer_shadow_hits, self.layer_shadow_misses
+        for route in event.layers:
+            layer = route.layer
+            if layer >= len(hits):
+                grow = layer + 1 - len(hits)
+                for counts in (hits, misses, shadow_hits, shadow_misses):
+                    counts.extend([0] * grow)
+            hits[layer] += sign * route.ram_hits
+            misses[layer] += sign * route.ram_misses
+            self.ram_hits += sign * route.ram_hits
+            self.ram_misses += sign * route.ram_misses
+            self.vram_served += sign * route.vram_served
+            self.vram_slots += sign * route.chosen.shape[0]
+            if route.shadow_ram_hits or route.shadow_ram_misses or route.shadow_vram:
+                shadow_hits[layer] += sign * route.shadow_ram_hits
+                shadow_misses[layer] += sign * route.shadow_ram_misses
+                self.shadow_hits += sign * route.shadow_ram_hits
+                self.shadow_misses += sign * route.shadow_ram_misses
+                self.shadow_vram += sign * route.shadow_vram
+                self.shadow_slots += sign * route.true_topk.shape[0]
+            if route.measured:
+                self.decisions += sign
+                self.slots += sign * route.slots
+                self.swaps += sign * route.swaps
+                self.swaps_vram += sign * route.swaps_vram
+                self.agree_hit += sign * (route.slots - route.swaps)
+                self.agree_tot += sign * route.slots
+                if route.kl is not None:
+                    self.kl_sum += sign * route.kl
+                    self.kl_count += sign
+        if timed:
+            timings = event.timings_ms
+            self.timed_tokens += sign
+            self.total_ms += sign * _total_ms(timings)
+            ms = self.ms
+            for key, value in timings.items():
+                if key != "total" and value is not None:
+                    ms[key] = ms.get(key, 0.0) + sign * value
+        counts = self.counts
+        for key, value in deltas.items():
+            counts[key] = _added(counts.get(key), value, sign)
+
     def layer_hit_rates(self) -> list[float | None]:
         """RAM hit rate of each layer (None where nothing was requested)."""
         return [h / (h + m) if h + m else None for h, m in zip(self.layer_hits, self.layer_misses)]
+
+    def layer_shadow_rates(self) -> list[float | None]:
+        """The shadow meter of each layer: the stock top-K's RAM hit rate (None without samples)."""
+        return [h / (h + m) if h + m else None for h, m in zip(self.layer_shadow_hits, self.layer_shadow_misses)]
 
     def summary(self) -> dict[str, Any]:
         """Rates in [0, 1], ms per token, nats, counts; None for a meter without samples."""
@@ -210,7 +305,7 @@ class MeterFold:
             "vram_hit": (self.vram_served / self.vram_slots
                          if (self.gpu_tier or self.vram_served) and self.vram_slots else None),
             "vram_served": self.vram_served,
-            "tok_s": 1000.0 * timed / self.total_ms if self.total_ms > 0 else None,
+            "tok_s": 1000.0 * timed / self.total_ms if timed and self.total_ms > 0 else None,
             "fetch_ms": self.ms.get("fetch", 0.0) / timed if timed else None,
             "compute_ms": self.ms.get("compute", 0.0) / timed if timed else None,
             "ms_per_token": {k: v / timed for k, v in self.ms.items()} if timed else {},
@@ -226,12 +321,26 @@ class MeterFold:
             "agree_tot": self.agree_tot,
             "kl_sum": self.kl_sum,
             "kl_count": self.kl_count,
+            "shadow_hit": (self.shadow_hits / (self.shadow_hits + self.shadow_misses)
+                           if self.shadow_hits + self.shadow_misses else None),
+            "shadow_hits": self.shadow_hits,
+            "shadow_misses": self.shadow_misses,
+            "shadow_vram": (self.shadow_vram / self.shadow_slots
+                            if (self.gpu_tier or self.shadow_vram) and self.shadow_slots else None),
+            "shadow_vram_served": self.shadow_vram,
+            "layer_ram_hit": self.layer_hit_rates(),
+            "layer_shadow_hit": self.layer_shadow_rates(),
         }
-        out.update(self.store)
-        if "prefetch_hits" in self.store:
-            without = max(self.ram_hits - self.store["prefetch_hits"], 0)
+        out.update({k: v for k, v in self.store.items() if k in STATE_KEYS})
+        out.update(self.counts)
+        bytes_read = self.counts.get("bytes_read")
+        out["disk_mib"] = bytes_read / 2**20 / self.tokens if bytes_read is not None and self.tokens else None
+        if "prefetch_issued" in self.counts and "prefetch_useful" in self.counts:
+            out["prefetch_wasted"] = max(self.counts["prefetch_issued"] - self.counts["prefetch_useful"], 0)
+        if "prefetch_hits" in self.counts:
+            without = max(self.ram_hits - self.counts["prefetch_hits"], 0)
             out["ram_hit_without_prefetch"] = without / requests if requests else None
-        out.update(prefetch_ledger_meters(self.store, self.layer_misses))
+        out.update(prefetch_ledger_meters(self.counts, self.layer_misses))
         return out
 
 
@@ -241,8 +350,8 @@ class MeterFold:
 def prefetch_ledger_meters(store: Mapping[str, Any], layer_misses: list[int]) -> dict[str, Any]:
     """Precision, recall, layers ahead and bytes per saved byte, overall and per layer (lists).
 
-    From the store counters `Pilot.meters` adds (totals since the last reset)
-    and the fold's misses per layer; every figure is None without PILOT or
+    From the store counters `Pilot.meters` adds, as grown over the folded
+    tokens, and the fold's misses per layer; every figure is None without PILOT or
     without samples (docs/tiers.md, the prefetch ledger).
     """
     layers = store.get("prefetch_layers")
@@ -267,3 +376,130 @@ def prefetch_ledger_meters(store: Mapping[str, Any], layer_misses: list[int]) ->
     out["prefetch_layer_recall"] = [r for _, r, _ in per_layer]
     out["prefetch_layer_ahead"] = [a for _, _, a in per_layer]
     return out
+
+
+WINDOWS = ("recent", "knob", "total")
+"""The windows of `WindowedMeters`: the last N tokens, since the last knob change, since start."""
+RECENT_TOKENS = 32
+"""Tokens in the recent window unless told otherwise."""
+
+
+def window_title(window: str, recent: int = RECENT_TOKENS) -> str:
+    """A window's name as the app shows it."""
+    return {"recent": f"last {recent} tok", "knob": "since knob change", "total": "since start"}[window]
+
+
+@dataclass
+class Segment:
+    """One knob setting's tokens: which setting, where it started and ended, and its meters."""
+
+    knob_seq: int
+    ram_slots: int | None
+    first: int  # the setting's first token, counted from the first token the meters saw
+    end: int  # one past its last token
+    meters: dict[str, Any]  # the setting's fold summary (rates as fractions)
+
+
+SEGMENTS_KEPT = 256
+"""Closed segments `WindowedMeters` remembers (the oldest are dropped first)."""
+
+
+class WindowedMeters:
+    """The last N tokens, since the last knob change, and since start: three folds of one stream.
+
+    `add` folds an event into all three; the recent fold takes out the token
+    that leaves its window; a new knob setting (the event's `knob_seq` or RAM
+    cache size differs from the previous event's) closes the current
+    `Segment` and starts the knob fold afresh. `changed` says a change was made
+    before the next token arrives, so the knob window reads empty at once.
+    Not thread-safe: the caller holds its own lock.
+    """
+
+    def __init__(self, recent: int = RECENT_TOKENS, baseline: Mapping[str, int] | None = None,
+                 on_segment: Callable[[Segment], None] | None = None) -> None:
+        if recent < 1:
+            raise ValueError("the recent window needs at least one token")
+        self.recent = int(recent)
+        self.folds = {window: MeterFold() for window in WINDOWS}
+        self.on_segment = on_segment
+        self.segments: deque[Segment] = deque(maxlen=SEGMENTS_KEPT)
+        self.setting: tuple[int, int | None] | None = None  # (knob_seq, RAM slots) of the knob fold
+        self.setting_first = 0
+        self.stale = False  # a change was made; the knob fold is the old setting's until its first token
+        self._window: deque = deque()  # (event, timed, deltas) of the recent window
+        self._previous = dict(baseline or {})
+        self._decode_seen = False
+
+    @property
+    def tokens(self) -> int:
+        """Tokens folded since start."""
+        return self.folds["total"].tokens
+
+    def add(self, event: TokenEvent) -> None:
+        deltas = store_deltas(self._previous, event.store) if event.store else {}
+        if event.store:
+            self._previous = event.store
+        timed = bool(event.timings_ms) and event.phase == "decode"
+        if timed and not self._decode_seen:
+            self._decode_seen = True
+            timed = False
+        setting = (int(event.knob_seq), event.store.get("ram_slots") if event.store else None)
+        if self.setting is None:
+            self.setting, self.setting_first = setting, self.tokens
+        elif setting != self.setting:
+            self._close()
+            self.setting, self.setting_first = setting, self.tokens
+        for fold in self.folds.values():
+            fold.add(event, timed=timed, deltas=deltas)
+        window = self._window
+        window.append((event, timed, deltas))
+        while len(window) > self.recent:
+            self.folds["recent"].remove(*window.popleft())
+
+    def _close(self) -> None:
+        knob = self.folds["knob"]
+        segment = Segment(self.setting[0], self.setting[1], self.setting_first, self.tokens, knob.summary())
+        self.segments.append(segment)
+        knob.reset()
+        self.stale = False
+        if self.on_segment is not None:
+            self.on_segment(segment)
+
+    def changed(self) -> None:
+        """A knob or the cache size changed: the knob window is empty until the new setting's first token."""
+        self.stale = True
+
+    def current(self) -> Segment | None:
+        """The setting being folded, as a segment that is still open (None before any token)."""
+        if self.setting is None:
+            return None
+        return Segment(self.setting[0], self.setting[1], self.setting_first, self.tokens,
+                       self.folds["knob"].summary())
+
+    def set_recent(self, n: int) -> None:
+        """Change the recent window's length (a longer one fills up from the next token)."""
+        if n < 1:
+            raise ValueError("the recent window needs at least one token")
+        self.recent = int(n)
+        window = self._window
+        while len(window) > self.recent:
+            self.folds["recent"].remove(*window.popleft())
+
+    def fold(self, window: str) -> MeterFold:
+        """One window's fold (an empty one for the knob window right after a change)."""
+        if window == "knob" and self.stale:
+            return MeterFold()
+        return self.folds[window]
+
+    def summary(self, window: str, knobs=None) -> dict[str, Any]:
+        """One window's meters; with `knobs` (the KnobValues now in force) the lever's meters are
+        None while CACHE_ROUTE is off and agree/KL while the routing meters are off."""
+        out = self.fold(window).summary()
+        if knobs is not None:
+            if not knobs.CACHE_ROUTE:
+                for key in LEVER_KEYS:
+                    out[key] = None
+            if not knobs.meters_on:
+                for key in ROUTE_METER_KEYS:
+                    out[key] = None
+        return out

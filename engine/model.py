@@ -241,7 +241,7 @@ class Engine:
         self.tokens_timed += T
         start = self.pos
         self.pos += T
-        self._publish(ids, start, phase, routes_by_layer, timers, T)
+        self._publish(ids, start, phase, routes_by_layer, timers, T, ctx.knob_seq)
         knobs = ctx.knobs
         if knobs.HOT and not self._hot_pinned and self.pos >= knobs.WARMUP:
             self.store.pin_hot(self.heat, knobs.HOT)
@@ -255,10 +255,9 @@ class Engine:
             self.pilot = Pilot(self.config, self.store, heads)
         return self.pilot
 
-    def _publish(self, ids, start, phase, routes_by_layer, timers, T) -> None:
+    def _publish(self, ids, start, phase, routes_by_layer, timers, T, seq: int) -> None:
         """One TokenEvent per token: into the engine's own meter fold, then to every listener."""
         per_token_ms = {k: 1000.0 * v / T for k, v in timers.items()}
-        seq = self.knobs.seq
         store = read_store_counters(self)
         gpu_tier = self.store.has_tier
         listeners = list(self._listeners)
@@ -357,7 +356,7 @@ class _PassContext:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.knobs = engine.knobs.snapshot()
+        self.knob_seq, self.knobs = engine.knobs.versioned()  # events carry the seq their knobs had
         self.store = engine.store
         self.router = engine.router
         self.timers: dict[str, float] = defaultdict(float)

@@ -5,7 +5,8 @@ This is where the levers plug in without touching the math around them:
   meters are on, `Router.select` with each expert's residency level;
 - residency: the expert store's levels (2 GPU tier, 1 RAM cache, 0 disk);
   the store computes each expert where it lives;
-- events: what was chosen, what hit, what it cost.
+- events: what was chosen, what hit, what the stock top-K would have hit
+  (the store counts it), what it cost.
 Expert outputs are summed in rank order whichever tier computed them, so
 moving an expert between tiers never changes the result.
 """
@@ -143,8 +144,9 @@ class MoEBlock:
                 experts = [int(route.chosen[s]) for s in slots]
                 # the token's misses are read by the store's reader threads side by side; all
                 # are in RAM before the next token is routed, as in decode
-                held = store.acquire(layer, experts)
+                held = store.acquire(layer, experts, stock=route.true_topk)
                 holds.append(held)
+                _add_shadow(route, held.shadow)
                 for i, (s, e) in enumerate(zip(slots, experts)):
                     blobs[e] = store.blob(held, i)
                     route.ram_hits += int(held.hit(i))
@@ -175,7 +177,9 @@ class MoEBlock:
         chosen = route.chosen
         K = chosen.shape[0]
         outputs = np.zeros((K, x.shape[0]), dtype=np.float32)
-        hits, misses, on_gpu = ctx.store.compute(self.layer, chosen, x, outputs, ctx.timers)
+        hits, misses, on_gpu, shadow = ctx.store.compute(self.layer, chosen, x, outputs, ctx.timers,
+                                                         stock=route.true_topk)
+        _add_shadow(route, shadow)
         route.ram_hits += hits
         route.ram_misses += misses
         if on_gpu:
@@ -185,6 +189,14 @@ class MoEBlock:
         for s in range(K):
             if chosen[s] >= 0:
                 axpy(y, np.float32(route.weights[s]), outputs[s])
+
+
+def _add_shadow(route: LayerRoute, shadow) -> None:
+    """The store's count of the stock top-K (the shadow meter) into the routing record."""
+    if shadow is not None:
+        route.shadow_ram_hits += shadow.ram_hits
+        route.shadow_ram_misses += shadow.ram_misses
+        route.shadow_vram += shadow.vram
 
 
 class DenseBlock:

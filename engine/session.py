@@ -2,17 +2,21 @@
 
 Subscribes a `SessionLogWriter` to the engine's token events and to knob
 changes, so every token and every change lands in the log as it happens
-(flushed per record), and writes the meters of the tokens it recorded (its
-own `MeterFold`, rates in percent as every JSON output writes them) as a
-summary when closed.
+(flushed per record). Its meters are a `WindowedMeters` of the recorded
+tokens: each knob setting (a knob change or a new RAM cache size starts the
+next) ends with a segment record carrying that setting's own meters, and
+the summary carries the meters of the last setting ("meters") and of every
+recorded token ("recorded"), rates in percent as every JSON output writes
+them — never totals since the engine opened.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from tierlab.engine.knobs import KnobChange
-from tierlab.engine.meters import MeterFold, meters_json
+from tierlab.engine.knobs import KnobChange, KnobValues
+from tierlab.engine.meters import Segment, WindowedMeters, meters_json, read_store_counters
 from tierlab.engine.sessionlog import SessionLogWriter
 from tierlab.engine.surface import EngineSurface
 
@@ -24,15 +28,22 @@ def model_record(engine: EngineSurface) -> dict:
             "expert_kind": engine.store_stats().expert_kind}
 
 
+def _logged(summary: dict) -> dict:
+    """A fold summary as a log record holds it: numbers (rates in percent) and nulls."""
+    return {k: v for k, v in meters_json(summary).items() if v is None or isinstance(v, (int, float))}
+
+
 class EngineLog:
     def __init__(self, engine: EngineSurface, path: str | Path) -> None:
         self.engine = engine
         self.tokens = 0
-        self.fold = MeterFold()
         self.meters: dict | None = None
         stats = engine.store_stats()
+        seq, values = engine.knobs.versioned()
+        self._knobs_by_seq: dict[int, KnobValues] = {seq: values}
+        self.windows = WindowedMeters(baseline=read_store_counters(engine), on_segment=self._write_segment)
         self.writer = SessionLogWriter(
-            path, model=model_record(engine), knobs=engine.knobs.snapshot(),
+            path, model=model_record(engine), knobs=values,
             cache={"ram_slots": stats.slots, "gpu_tier": stats.tier_on, "tier_residents": stats.tier_residents},
         )
         engine.subscribe(self._on_token)
@@ -40,24 +51,51 @@ class EngineLog:
 
     def _on_token(self, event) -> None:
         self.writer.write_token(event)
-        self.fold.add(event)
+        self.windows.add(event)
         self.tokens += 1
 
     def _on_knob(self, change: KnobChange) -> None:
+        previous = self._knobs_by_seq.get(change.seq - 1, self.engine.knobs.snapshot())
+        self._knobs_by_seq[change.seq] = dataclasses.replace(previous, **{change.name: change.new})
         self.writer.write_knob_change(change, self.tokens)
 
+    def _knobs_of(self, seq: int) -> KnobValues | None:
+        return self._knobs_by_seq.get(seq)
+
+    def _segment_record(self, segment: Segment) -> dict:
+        knobs = self._knobs_of(segment.knob_seq)
+        meters = dict(segment.meters)
+        if knobs is not None:  # the lever's meters are "–" for a setting with the lever off
+            if not knobs.CACHE_ROUTE:
+                meters.update(swap=None, swaps_to_vram=None)
+            if not knobs.meters_on:
+                meters.update(route_agree=None, route_kl=None)
+        return {"knob_seq": segment.knob_seq, "knobs": knobs.as_dict() if knobs is not None else None,
+                "cache_slots": segment.ram_slots, "from_token": segment.first, "to_token": segment.end,
+                "meters": _logged(meters)}
+
+    def _write_segment(self, segment: Segment) -> None:
+        self.writer.write_segment(self._segment_record(segment))
+
     def detach(self) -> None:
-        """Stop recording; the meters of the recorded tokens go into the summary."""
+        """Stop recording; the last setting's segment is written and its meters kept for the summary."""
         if self.meters is None:
             self.engine.unsubscribe(self._on_token)
             self.engine.knobs.unsubscribe(self._on_knob)
-            meters = meters_json(self.fold.summary())
-            self.meters = {k: v for k, v in meters.items() if isinstance(v, (int, float))}
+            last = self.windows.current()
+            self.meters = {}
+            if last is not None:
+                record = self._segment_record(last)
+                self.writer.write_segment(record)
+                self.meters = record["meters"]
+            self.recorded = _logged(self.windows.summary("total"))
 
     def close(self, extra: dict | None = None) -> None:
-        """Write the summary (meters plus `extra`, e.g. ids_match and tf_nll) and close."""
+        """Write the summary (the last setting's meters, all recorded tokens' meters, `extra`,
+        e.g. ids_match and tf_nll) and close."""
         self.detach()
-        summary = {"meters": self.meters, "tokens": self.tokens}
+        summary = {"meters": self.meters, "recorded": self.recorded, "tokens": self.tokens,
+                   "segments": len(self.windows.segments) + (1 if self.windows.setting is not None else 0)}
         summary.update(extra or {})
         self.writer.write_summary(summary)
         self.writer.close()

@@ -11,9 +11,13 @@ Record shapes (``type`` tells them apart; docs/formats.md "Session log"):
 - header: format, version, model, knobs, cache, machine
 - token: index, phase, token, knob_seq, timings_ms, layers[] (layer,
   chosen, true_topk, level, swapped, weights, true_weights, ram_hits,
-  ram_misses, vram_served)
+  ram_misses, vram_served, shadow: [RAM hits, RAM misses, GPU tier] of the
+  stock top-K)
 - knob: seq, name, old, new, at_token
-- summary: free-form meters (e.g. route meters, ids_match, tf_nll)
+- segment: one per knob setting, written when the setting ends: knob_seq,
+  knobs, cache_slots, from_token, to_token, meters (the setting's own)
+- summary: meters of the last knob setting, meters of every recorded token
+  ("recorded"), and free-form figures (e.g. ids_match, tf_nll)
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def _layer_record(route: LayerRoute) -> dict[str, Any]:
         "ram_misses": int(route.ram_misses),
         "vram_served": int(route.vram_served),
     }
+    if route.shadow_ram_hits or route.shadow_ram_misses or route.shadow_vram:
+        record["shadow"] = [int(route.shadow_ram_hits), int(route.shadow_ram_misses), int(route.shadow_vram)]
     true_weights = route.true_weights  # lets the log's KL be recomputed
     if true_weights is not None:
         record["true_weights"] = _weights(true_weights)
@@ -105,10 +111,12 @@ def _route_from_record(record: Mapping[str, Any], measured: bool) -> LayerRoute:
     kl = None
     if measured and true_weights is not None:
         kl = topk_kl(true_topk, true_weights, chosen, weights)
+    shadow = [int(v) for v in record.get("shadow") or (0, 0, 0)]
     return LayerRoute(int(record["layer"]), chosen, weights, true_topk, true_weights, level, swapped,
                       slots=int(filled.sum()), swaps=int(swapped.sum()), swaps_vram=int((swapped & (level == 2)).sum()),
                       measured=measured, kl=kl, ram_hits=int(record.get("ram_hits", 0)),
-                      ram_misses=int(record.get("ram_misses", 0)), vram_served=int(record.get("vram_served", 0)))
+                      ram_misses=int(record.get("ram_misses", 0)), vram_served=int(record.get("vram_served", 0)),
+                      shadow_ram_hits=shadow[0], shadow_ram_misses=shadow[1], shadow_vram=shadow[2])
 
 
 def event_from_record(record: Mapping[str, Any], measured: bool, gpu_tier: bool = False) -> TokenEvent:
@@ -205,6 +213,10 @@ class SessionLogWriter:
             }
         )
 
+    def write_segment(self, segment: Mapping[str, Any]) -> None:
+        """One knob setting's record: its knobs, cache size, token range and meters."""
+        self._write({"type": "segment", **segment})
+
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         self._write({"type": "summary", **summary})
 
@@ -227,6 +239,7 @@ class SessionLog:
     header: dict[str, Any]
     tokens: list[dict[str, Any]] = field(default_factory=list)
     knob_changes: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
     damage: str | None = None
 
@@ -289,6 +302,8 @@ def read_session_log(path: str | os.PathLike) -> SessionLog:
                 log.tokens.append(record)
             elif kind == "knob":
                 log.knob_changes.append(record)
+            elif kind == "segment":
+                log.segments.append(record)
             elif kind == "summary":
                 log.summary = record
             # other types: written by a newer minor revision; skipped

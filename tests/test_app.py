@@ -658,3 +658,83 @@ async def test_an_engine_factory_replaces_the_model_folder(tiny_model, tmp_path)
         await ready(pilot)
         assert app.query_one(f"#{knob_id(CACHE_SLOTS)}", Knob).value == 3
         assert "cache 3" in app.sub_title
+
+
+# -- meters over windows, knob changes mid-reply ---------------------------------------
+
+
+async def test_a_knob_moved_during_a_reply_starts_a_segment_and_the_old_one_stops_growing(make_app):
+    def open_engine():
+        engine = EngineOptions(ASSETS / "tiny-moe", 8).open()
+        engine.eos_ids = lambda: []  # the reply runs to its token budget, long enough to move a knob in it
+        return engine
+
+    app = make_app(engine_factory=open_engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        app.query_one("#max-tokens", Knob).value = 512
+        prompt = app.query_one("#prompt", Input)
+        prompt.focus()
+        prompt.value = "Once upon a time"
+        await pilot.press("enter")
+        watch = app.watch
+        await wait_for(pilot, lambda: watch.last_event is not None and watch.last_event.phase == "decode")
+        first_decode = watch.tokens_seen
+        await wait_for(pilot, lambda: watch.tokens_seen > first_decode + 5)
+        old_seq = app.engine.knobs.seq
+        app.set_engine_knob("CACHE_ROUTE", True)  # what the switch does, while tokens stream
+        new_seq = app.engine.knobs.seq
+        assert new_seq == old_seq + 1 and app.generating
+
+        def segment(seq):
+            found = [(s, k) for s, k in watch.segments() if s.knob_seq == seq]
+            return found[-1] if found else (None, None)
+
+        await wait_for(pilot, lambda: segment(new_seq)[0] is not None and segment(new_seq)[0].meters["tokens"] >= 2)
+        new, new_knobs = segment(new_seq)
+        old, old_knobs = segment(old_seq)
+        assert old_knobs.CACHE_ROUTE is False and new_knobs.CACHE_ROUTE is True
+        assert old.end == new.first  # the next token after the change is the new setting's first
+        old_tokens = old.meters["tokens"]
+        await wait_for(pilot, lambda: watch.tokens_seen > new.end + 10)
+        assert app.generating  # still the same reply
+        later_old, _ = segment(old_seq)
+        later_new, _ = segment(new_seq)
+        assert (later_old.first, later_old.end, later_old.meters["tokens"]) == (old.first, old.end, old_tokens)
+        assert later_new.meters["tokens"] > new.meters["tokens"]
+        assert later_new.meters["decisions"] > 0 and later_old.meters["decisions"] == 0  # the lever ran in the new one only
+        assert watch.last_event.knob_seq == new_seq
+        app.action_stop()
+        await wait_for(pilot, lambda: not app.generating)
+
+
+async def test_meters_window_key_names_the_window_and_reset_blanks_the_lever_meters(make_app):
+    app = make_app(model_dir=ASSETS / "tiny-moe", cache_slots=8)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        box = app.query_one("#meters-box")
+        assert box.border_title == "Meters · last 32 tok"
+        app.engine.knobs.set("CACHE_ROUTE", True)
+        await ask(pilot, "hello", max_tokens=6)
+        app.refresh_views(force=True)
+        latest = app.watch.history.latest
+        assert latest["swap"] is not None and latest["route_agree"] is not None
+        assert latest["shadow_hit"] is not None and latest["ram_hit"] is not None
+        await pilot.press("f5")
+        assert box.border_title == "Meters · since knob change"
+        await pilot.press("f5")
+        assert box.border_title == "Meters · since start"
+        await pilot.press("f5")
+        assert box.border_title == "Meters · last 32 tok"
+        assert any(b.key == "f5" and b.show for b in app.BINDINGS)  # listed in the footer and the help
+        app.action_reset_knobs()  # F6: the lever goes off
+        app.refresh_views(force=True)
+        await pilot.pause()
+        for window in range(3):
+            latest = app.watch.meter_history().latest
+            assert latest["swap"] is None and latest["route_agree"] is None and latest["route_kl"] is None, window
+            await pilot.press("f5")
+        from tierlab.widgets.meters import MeterRow
+
+        shown = str(app.query_one("#meter-swap", MeterRow).query_one(".meter--value").render())
+        assert shown.strip() == "–"

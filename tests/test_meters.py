@@ -125,3 +125,100 @@ def test_oracle_band_thread_updates_latest():
         assert band.latest == 0.0  # one token: nothing can hit
     finally:
         band.close()
+
+
+# -- windows ------------------------------------------------------------------------
+
+from tierlab.engine.knobs import KnobValues  # noqa: E402
+from tierlab.engine.meters import WindowedMeters, store_deltas, window_title  # noqa: E402
+
+
+def windowed_trace() -> list[TokenEvent]:
+    """A prompt token, then five decode tokens; a knob change before token 3 (seq 1) and a cache
+    resize before token 5 (8 -> 4 slots). Every count chosen by hand."""
+    def event(i, phase, hits, misses, total_ms, seq, slots, bytes_read, kl=None, measured=False):
+        r = route(0, [1, 2], hits, misses, kl=kl, measured=measured, swaps=1 if measured else 0)
+        r.shadow_ram_hits, r.shadow_ram_misses = max(hits - 1, 0) if measured else hits, misses + (1 if measured and hits else 0)
+        return TokenEvent(i, 100 + i, phase, [r], {"fetch": 1.0, "compute": 2.0, "total": total_ms}, knob_seq=seq,
+                          store={"ram_slots": slots, "bytes_read": bytes_read})
+    MiB = 2**20
+    return [
+        event(0, "prefill", 0, 2, 50.0, 0, 8, 2 * MiB),
+        event(1, "decode", 1, 1, 40.0, 0, 8, 3 * MiB),  # the first decode token: never timed
+        event(2, "decode", 2, 0, 10.0, 0, 8, 3 * MiB),
+        event(3, "decode", 2, 0, 10.0, 1, 8, 3 * MiB, kl=0.5, measured=True),
+        event(4, "decode", 1, 1, 20.0, 1, 8, 4 * MiB, kl=0.25, measured=True),
+        event(5, "decode", 0, 2, 20.0, 1, 4, 6 * MiB),
+    ]
+
+
+def test_windowed_meters_against_a_hand_computed_trace():
+    closed = []
+    wm = WindowedMeters(recent=2, on_segment=closed.append)
+    for event in windowed_trace():
+        wm.add(event)
+    recent, knob, total = (wm.summary(w) for w in ("recent", "knob", "total"))
+    # the last two tokens (4 and 5): hits 1+0, misses 1+2; both decode and timed: 40 ms for 2 tokens
+    assert (recent["tokens"], recent["ram_hits"], recent["ram_misses"]) == (2, 1, 3)
+    assert recent["ram_hit"] == pytest.approx(1 / 4) and recent["tok_s"] == pytest.approx(2 / 0.040)
+    assert recent["bytes_read"] == 3 * 2**20 and recent["disk_mib"] == pytest.approx(1.5)
+    assert recent["route_kl"] == pytest.approx(0.25) and recent["swap"] == pytest.approx(1 / 2)
+    assert recent["shadow_hits"] == 0 and recent["shadow_misses"] == 4 and recent["shadow_hit"] == 0.0
+    # since the knob change: the cache resize before token 5 started a new setting
+    assert (knob["tokens"], knob["ram_hits"], knob["ram_misses"]) == (1, 0, 2)
+    assert knob["ram_hit"] == 0.0 and knob["ram_slots"] == 4 and knob["disk_mib"] == pytest.approx(2.0)
+    assert knob["swap"] is None and knob["route_agree"] is None  # no routing decision measured in it
+    # since start: every token for the cache; timings of decode tokens 2..5 only (60 ms for 4)
+    assert (total["tokens"], total["ram_hits"], total["ram_misses"]) == (6, 6, 6)
+    assert total["tok_s"] == pytest.approx(4 / 0.060) and total["fetch_ms"] == pytest.approx(1.0)
+    assert total["disk_mib"] == pytest.approx(6 / 6) and total["route_kl"] == pytest.approx(0.75 / 2)
+    # the two closed settings: tokens 0-2 at seq 0, tokens 3-4 at seq 1 (8 slots)
+    assert [(s.knob_seq, s.ram_slots, s.first, s.end) for s in closed] == [(0, 8, 0, 3), (1, 8, 3, 5)]
+    first, second = closed[0].meters, closed[1].meters
+    assert (first["ram_hits"], first["ram_misses"], first["tok_s"]) == (3, 3, pytest.approx(1 / 0.010))
+    assert first["swap"] is None and first["disk_mib"] == pytest.approx(1.0)
+    assert (second["ram_hits"], second["ram_misses"], second["swaps"]) == (3, 1, 2)
+    assert second["route_agree"] == pytest.approx(2 / 4) and second["bytes_read"] == 2**20
+    assert second["shadow_hit"] == pytest.approx(1 / 4) and second["ram_hit"] == pytest.approx(3 / 4)
+    assert wm.current().first == 5 and wm.current().meters["tokens"] == 1
+
+
+def test_a_change_empties_the_knob_window_and_the_lever_meters_follow_the_knobs():
+    wm = WindowedMeters(recent=4)
+    for event in windowed_trace()[:5]:
+        wm.add(event)
+    lever_on = KnobValues(CACHE_ROUTE=True)
+    assert wm.summary("recent", lever_on)["swap"] == pytest.approx(2 / 4)
+    wm.changed()  # e.g. Reset (F6): the lever goes off before the next token
+    off = KnobValues()
+    knob = wm.summary("knob", off)
+    assert knob["tokens"] == 0 and all(knob[k] is None for k in ("ram_hit", "shadow_hit", "tok_s", "disk_mib"))
+    recent = wm.summary("recent", off)
+    assert recent["ram_hit"] is not None
+    assert all(recent[k] is None for k in ("swap", "swaps_to_vram", "route_agree", "route_kl"))
+    assert wm.summary("recent", KnobValues(ROUTE_AGREE="1"))["route_agree"] == pytest.approx(2 / 4)
+
+
+def test_the_recent_window_slides_and_resizes():
+    wm = WindowedMeters(recent=3)
+    trace = windowed_trace()
+    for event in trace:
+        wm.add(event)
+    assert wm.summary("recent")["ram_misses"] == 0 + 1 + 2
+    wm.set_recent(1)
+    assert wm.summary("recent")["tokens"] == 1 and wm.summary("recent")["ram_misses"] == 2
+    assert window_title("recent", 1) == "last 1 tok" and window_title("knob") == "since knob change"
+    with pytest.raises(ValueError):
+        wm.set_recent(0)
+    # a window whose timed tokens have all left it has no tok/s (not 0, whatever float dust is left)
+    wm = WindowedMeters(recent=1)
+    for ms in (0.1, 0.2, 0.7):
+        wm.add(TokenEvent(0, 1, "decode", [route(0, [1, 2], 1, 1)], {"total": ms}))
+    wm.add(TokenEvent(1, 2, "prefill", [route(0, [1, 2], 1, 1)], {"total": 5.0}))
+    assert wm.summary("recent")["tok_s"] is None and wm.summary("recent")["fetch_ms"] is None
+    assert wm.summary("total")["tok_s"] == pytest.approx(2 / 0.0009)
+
+
+def test_store_counters_become_deltas():
+    assert store_deltas({"bytes_read": 10, "ram_slots": 4}, {"bytes_read": 25, "ram_slots": 2}) == {"bytes_read": 15}
+    assert store_deltas({"bytes_read": 10}, {"bytes_read": 3}) == {"bytes_read": 3}  # reset meters: all new

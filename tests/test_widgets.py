@@ -396,3 +396,24 @@ async def test_integer_big_step_is_a_tenth_of_the_range_and_follows_it():
         assert knob.value == 26
         await pilot.press("delete")
         assert knob.value == 12
+
+
+async def test_percentage_sparklines_use_a_fixed_scale():
+    from tierlab.widgets.meters import ScaledSparkline, bar_levels
+
+    assert bar_levels([100.0] * 5, 10, 100.0) == [1.0] * 5  # a steady 100% is a full bar
+    assert bar_levels([50.0, 50.0], 10, 100.0) == [0.5, 0.5]  # not stretched to the range shown
+    assert bar_levels([1.0, 3.0, 2.0, 4.0], 2, None) == [0.75, 1.0]  # other units: 0 to the largest
+    app = MetersApp()
+    history = MeterHistory()
+    for token in range(20):
+        history.add(token, {"ram_hit": 0.5, "route_agree": 1.0, "tok_s": 10.0})
+    async with app.run_test(size=(80, 30)) as pilot:
+        app.query_one(MetersPanel).show(history)
+        await pilot.pause()
+        agree = app.query_one("#meter-route_agree ScaledSparkline", ScaledSparkline).render().plain
+        hit = app.query_one("#meter-ram_hit ScaledSparkline", ScaledSparkline).render().plain
+        assert agree and set(agree) == {"█"}
+        assert set(hit) == {"▅"}  # half the scale
+        row = app.query_one("#meter-vram_hit", MeterRow)
+        assert str(row.query_one(".meter--value").render()).strip() == "–"  # no samples: "–", never 0.0%

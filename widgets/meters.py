@@ -4,7 +4,9 @@ Each meter shows its current value and a sparkline of its recent past; a
 plot below draws hit rate and speed over tokens with a vertical mark at
 every knob change, so the effect of a change is visible where it happened.
 Meter values arrive as the meter fold gives them (rates as fractions, None
-without samples); percent appears only as they are drawn.
+without samples); percent appears only as they are drawn. Percentage
+sparklines use a fixed 0–100 scale (a steady 100% is a full bar, a steady
+0% the lowest); the others run from 0 to their largest recent value.
 """
 
 from __future__ import annotations
@@ -13,19 +15,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from textual.app import ComposeResult
+from rich.color import Color as RichColor
+from rich.color_triplet import ColorTriplet
+from rich.style import Style
+from rich.text import Text
+from textual.app import ComposeResult, RenderResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline, Static
 from textual_plotext import PlotextPlot
 
-from tierlab.engine.meters import METER_BY_KEY, Meter, select
+from tierlab.engine.meters import METER_BY_KEY, RATE, Meter, select
 
 HISTORY = 400
 """Tokens of history kept for sparklines and the plot."""
 
 
 METERS: tuple[Meter, ...] = select(
-    ("ram_hit", "vram_hit", "oracle_hit", "swap", "route_agree", "route_kl", "tok_s", "fetch_ms", "compute_ms")
+    ("ram_hit", "shadow_hit", "vram_hit", "oracle_hit", "swap", "route_agree", "route_kl", "tok_s", "fetch_ms",
+     "compute_ms", "disk_mib", "ram_hit_without_prefetch")
 )
 """The panel's rows, from the one meter catalogue (engine/meters.py)."""
 
@@ -62,6 +69,11 @@ class MeterHistory:
         self.latest = {key: None if value is None else float(value) for key, value in meters.items()
                        if value is None or isinstance(value, (int, float))}
 
+    def set_latest(self, meters: Mapping[str, float | None]) -> None:
+        """Show these values now, before the next token (a knob change empties a window)."""
+        self.latest = {key: None if value is None else float(value) for key, value in meters.items()
+                       if value is None or isinstance(value, (int, float))}
+
     def replace_latest(self, key: str, value: float | None) -> None:
         """Correct one meter of the latest token (a figure computed after the token was recorded)."""
         if not self.latest:
@@ -95,6 +107,46 @@ class MeterHistory:
         self.marks.clear()
 
 
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def bar_levels(values: list[float], width: int, top: float | None) -> list[float]:
+    """Each column's height in [0, 1]: the largest value of its share of `values` over `top`
+    (a fixed scale; None: the largest value shown)."""
+    if not values or width <= 0:
+        return []
+    if len(values) > width:
+        step = len(values) / width
+        values = [max(values[int(i * step):max(int((i + 1) * step), int(i * step) + 1)]) for i in range(width)]
+    scale = top if top is not None else max(max(values), 0.0)
+    if scale <= 0:
+        return [0.0] * len(values)
+    return [min(max(v / scale, 0.0), 1.0) for v in values]
+
+
+class ScaledSparkline(Sparkline):
+    """A sparkline on a fixed scale from 0 to `top` (None: to the largest value shown)."""
+
+    def __init__(self, top: float | None = None, **kwargs) -> None:
+        super().__init__([], **kwargs)
+        self.top = top
+
+    def render(self) -> RenderResult:
+        _, base = self.background_colors
+        low = (base + self.get_component_styles("sparkline--min-color").color).rich_color
+        high = (base + self.get_component_styles("sparkline--max-color").color).rich_color
+        text = Text()
+        for level in bar_levels(list(self.data or []), self.size.width, self.top):
+            colour = RichColor.from_triplet(_blend(low, high, level))
+            text.append(BARS[min(int(level * (len(BARS) - 1) + 0.5), len(BARS) - 1)], Style(color=colour))
+        return text
+
+
+def _blend(low: RichColor, high: RichColor, level: float) -> ColorTriplet:
+    a, b = low.get_truecolor(), high.get_truecolor()
+    return ColorTriplet(*(int(x + (y - x) * level) for x, y in zip(a, b)))
+
+
 class MeterRow(Horizontal):
     """One meter: label, current value, sparkline."""
 
@@ -113,7 +165,7 @@ class MeterRow(Horizontal):
     def compose(self) -> ComposeResult:
         yield Label(self.spec.label, classes="meter--label")
         yield Static("    –", classes="meter--value")
-        yield Sparkline([], summary_function=max)
+        yield ScaledSparkline(top=100.0 if self.spec.unit == RATE else None)
 
     def show(self, latest: Mapping[str, float], history: Iterable[float] | None) -> None:
         """Show the latest value, and the sparkline of `history` unless it is None (left as it is)."""

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from tierlab.app.cli.engine_options import add_knobs_at_arg, knob_steps_from_args
 from tierlab.app.lab.ab import run_ab
 from tierlab.app.lab.abtable import render_markdown, render_text
 from tierlab.app.lab.evaluate import read_ref
@@ -26,17 +27,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cache", type=int, default=None, metavar="N", help="RAM cache slots per layer for every row")
     p.add_argument("--no-tf", action="store_true", help="skip the teacher-forced NLL")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON (with each row's segments)")
+    add_knobs_at_arg(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     if args.repeat < 0:
         raise TierlabError("--repeat must be >= 0")
+    steps = knob_steps_from_args(args)
     prompt, full = read_ref(args.ref)
     default_engine = {"CACHE": str(args.cache)} if args.cache else {}
     results = run_ab(args.model, prompt, full, args.row, repeat=args.repeat, default_engine=default_engine,
-                     tf_nll=not args.no_tf, progress=lambda s: print(f"  {s}", file=sys.stderr))
+                     tf_nll=not args.no_tf, steps=steps, progress=lambda s: print(f"  {s}", file=sys.stderr))
     rows = [r.as_row() for r in results]
     if args.json:
         print(json.dumps(rows))

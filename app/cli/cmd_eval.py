@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tierlab.app.cli.engine_options import add_model_args, open_engine, print_notices
+from tierlab.app.cli.engine_options import (add_knobs_at_arg, add_model_args, knob_steps_from_args, open_engine,
+                                            print_notices)
 from tierlab.app.lab.evaluate import format_report, read_ref, run_eval
 from tierlab.engine.meters import meters_json
 from tierlab.engine.session import EngineLog
@@ -17,15 +18,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ppl", action="store_true", help="also teacher-force the reference for TF-NLL")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument("--log", metavar="FILE", help="record a session log (JSON lines) of the generation")
+    add_knobs_at_arg(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    steps = knob_steps_from_args(args)
     prompt, full = read_ref(args.ref)
     engine = open_engine(args, with_tokenizer=False)
     log = EngineLog(engine, args.log) if args.log else None
     try:
-        result = run_eval(engine, prompt, full, ppl=args.ppl, on_generated=log.detach if log else None)
+        result = run_eval(engine, prompt, full, ppl=args.ppl, on_generated=log.detach if log else None,
+                          steps=steps)
     finally:
         if log is not None:
             done = "result" in locals()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from tierlab.app.cli.engine_options import add_model_args, open_engine, print_notices
+from tierlab.app.cli.engine_options import (add_knobs_at_arg, add_model_args, knob_steps_from_args, open_engine,
+                                            print_notices)
+from tierlab.app.lab.knob_script import ScriptedRun
 from tierlab.engine.errors import ModelError
 from tierlab.engine.meters import METER_BY_KEY, meters_json
 from tierlab.engine.routing import format_footer
@@ -23,10 +25,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and meters")
     p.add_argument("--log", metavar="FILE", help="record a session log (JSON lines)")
+    add_knobs_at_arg(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    steps = knob_steps_from_args(args)
     engine = open_engine(args)
     tok = engine.tokenizer
     if tok is None:
@@ -39,6 +43,7 @@ def run(args) -> int:
     out_ids: list[int] = []
     printed = ""
     eos = set(engine.eos_ids())
+    script = ScriptedRun(engine, steps)
     for token in engine.generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, args.seed):
         if token in eos:
             break
@@ -48,14 +53,16 @@ def run(args) -> int:
             sys.stdout.write(text_so_far[len(printed):])
             sys.stdout.flush()
             printed = text_so_far
+        script.before(len(out_ids))  # the pass that predicts the next token runs with these knobs
     meters = engine.meters()
+    segments = script.finish(len(out_ids))
     if log is not None:
         log.close({"generated": len(out_ids)})
     engine.close()
     print_notices(engine)
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "ids": out_ids, "text": tok.decode(out_ids),
-                          **meters_json(meters)}))
+                          **meters_json(meters), "segments": segments}))
     else:
         sys.stdout.write(tok.decode(out_ids)[len(printed):] + "\n")
         footer = [f"Expert cache hit rate: {METER_BY_KEY['ram_hit'].show(meters['ram_hit'])} "

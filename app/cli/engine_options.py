@@ -3,7 +3,8 @@
 Each lever is a flag named after its environment variable (ROUTE_J ->
 --route-j); a flag wins over the environment, which wins over the default.
 The same holds for the tier flags (TIER, TIER_GB, TIER_DEVICE,
-TIER_NO_WARMSTART, HEAT_FILE).
+TIER_NO_WARMSTART, HEAT_FILE). `add_knobs_at_arg` is the one `--knobs-at`
+flag of `generate`, `eval` and `ab` (scripted knob changes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tierlab.app.lab.knob_script import KNOBS_AT_HELP, KnobStep, parse_script
 from tierlab.engine.knobs import SPECS
 from tierlab.engine.options import EngineOptions, default_model
 from tierlab.engine.surface import EngineSurface
@@ -48,6 +50,17 @@ def add_model_args(parser: argparse.ArgumentParser, cache: bool = True,
         flag = "--" + spec.name.lower().replace("_", "-")
         group.add_argument(flag, dest=f"knob_{spec.name}", metavar=spec.name, default=None,
                            help=f"{spec.help} (default {spec.default})")
+
+
+def add_knobs_at_arg(parser: argparse.ArgumentParser) -> None:
+    """The repeatable `--knobs-at "T:KEY=V[,KEY=V]"` flag (app/lab/knob_script.py)."""
+    parser.add_argument("--knobs-at", action="append", default=None, metavar="T:KEY=V[,KEY=V]",
+                        help=KNOBS_AT_HELP)
+
+
+def knob_steps_from_args(args: argparse.Namespace) -> list[KnobStep]:
+    """The `--knobs-at` script, checked (a bad step is one line naming it, exit 2)."""
+    return parse_script(getattr(args, "knobs_at", None))
 
 
 def open_engine(args: argparse.Namespace, with_tokenizer: bool = True) -> EngineSurface:

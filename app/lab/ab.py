@@ -7,6 +7,10 @@ interleaved, so a noisy neighbour hurts every row alike, and the timing
 columns are their median with a min-max band; finally each row
 teacher-forces the reference once for its TF-NLL.
 
+A knob script (`--knobs-at`) runs inside every run of every row, on top of
+the row's settings; a row keeps the segments of its warm-up run and of its
+teacher-forced run.
+
 A row is `NAME=VALUE` words. Knobs (CACHE_ROUTE, ROUTE_J, ...) change per
 run on one engine; engine settings (CACHE, TIER, TIER_GB, TIER_DEVICE,
 HEAT_FILE, TIER_NO_WARMSTART) get an engine of their own.
@@ -21,6 +25,7 @@ from typing import Callable
 from tierlab.engine.errors import TierlabError
 from tierlab.app.lab.evaluate import greedy_decode, teacher_forced_run
 from tierlab.app.lab.oracle import SIZE_KEYS
+from tierlab.app.lab.knob_script import KnobStep
 from tierlab.engine.knobs import SPEC_BY_NAME, Knobs, KnobValues
 from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
@@ -48,6 +53,8 @@ class RowResult:
     total: int = 0
     tf_nll: float | None = None
     tf_meters: dict = field(default_factory=dict)  # the routing meters of the teacher-forced run
+    segments: list = field(default_factory=list)  # the warm-up run's segments (one per knob setting)
+    tf_segments: list = field(default_factory=list)  # the teacher-forced run's segments
 
     def as_row(self, meters_from: str = "generation") -> dict:
         """A table row; `meters_from="teacher_forced"` takes hit rates and routing meters from the
@@ -59,6 +66,7 @@ class RowResult:
             "row": self.spec.label,
             "tok_s": self.tok_s, "fetch_ms": self.fetch_ms, "compute_ms": self.compute_ms,
             "ram_hit": m["ram_hit"],
+            "shadow_hit": m.get("shadow_hit"),
             "vram_hit": m["vram_hit"],
             "oracle_hit": m["oracle_hit"],
             **{key: m.get(key) for key in BAND_KEYS + LEDGER_KEYS}, "lru_sizes": m.get("lru_sizes"),
@@ -67,6 +75,7 @@ class RowResult:
             "route_kl": m["route_kl"] if meters_on else None,
             "ids_match": f"{self.matching}/{self.total}",
             "tf_nll": self.tf_nll,
+            "segments": self.tf_segments if meters_from == "teacher_forced" else self.segments,
         }
 
 
@@ -97,16 +106,17 @@ def _open(model_dir: Path, settings: tuple[tuple[str, str], ...]):
     return EngineOptions(model_dir, cache, tier, knobs_from_env=False).open(with_tokenizer=False)
 
 
-def _run_once(engine, spec: RowSpec, prompt, full) -> tuple[dict, list[int]]:
+def _run_once(engine, spec: RowSpec, prompt, full, steps: list[KnobStep] | None) -> tuple[dict, list[int]]:
     engine.knobs = Knobs(spec.knobs)
     engine.cold_start()
-    generated, meters = greedy_decode(engine, prompt, len(full) - len(prompt))
+    generated, meters = greedy_decode(engine, prompt, len(full) - len(prompt), steps)
     return meters, generated
 
 
 def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts: list[str], repeat: int = 3,
            default_engine: dict[str, str] | None = None, tf_nll: bool = True,
-           progress: Callable[[str], None] = lambda s: None) -> list[RowResult]:
+           progress: Callable[[str], None] = lambda s: None,
+           steps: list[KnobStep] | None = None) -> list[RowResult]:
     """Run every row; returns one RowResult per row, in the order given."""
     specs = [parse_row(t, default_engine or {}) for t in row_texts]
     engines: dict = {}
@@ -118,14 +128,15 @@ def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts:
         reference = full[len(prompt):]
         for res in results:  # warm-up: discarded timings, kept routing meters
             progress(f"warm-up: {res.spec.label}")
-            meters, generated = _run_once(engines[res.spec.engine], res.spec, prompt, full)
+            meters, generated = _run_once(engines[res.spec.engine], res.spec, prompt, full, steps)
             res.meters = meters
+            res.segments = meters["segments"]
             res.total = len(reference)
             res.matching = sum(int(a == b) for a, b in zip(generated, reference))
         for r in range(repeat):
             for res in results:
                 progress(f"round {r + 1}/{repeat}: {res.spec.label}")
-                meters, _ = _run_once(engines[res.spec.engine], res.spec, prompt, full)
+                meters, _ = _run_once(engines[res.spec.engine], res.spec, prompt, full, steps)
                 res.tok_s.append(meters["tok_s"])
                 res.fetch_ms.append(meters["fetch_ms"])
                 res.compute_ms.append(meters["compute_ms"])
@@ -135,7 +146,8 @@ def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts:
                 engine = engines[res.spec.engine]
                 engine.knobs = Knobs(res.spec.knobs)
                 engine.cold_start()
-                res.tf_nll, res.tf_meters = teacher_forced_run(engine, prompt, full)
+                res.tf_nll, res.tf_meters = teacher_forced_run(engine, prompt, full, steps)
+                res.tf_segments = res.tf_meters["segments"]
         return results
     finally:
         for engine in engines.values():

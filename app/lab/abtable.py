@@ -3,7 +3,8 @@
 A row is a dict keyed by the meter catalogue (engine/meters.py), which
 also says each column's title, unit and format: rates (``ram_hit``,
 ``vram_hit``, ``oracle_hit``, ``swap``, ``route_agree``) are fractions in
-[0, 1]; ``route_kl`` and ``tf_nll`` are nats; timing columns (``tok_s``,
+[0, 1] (``shadow_hit`` is the stock top-K's RAM hit rate in the same cache
+state, beside the realised ``ram_hit``); ``route_kl`` and ``tf_nll`` are nats; timing columns (``tok_s``,
 ``fetch_ms``, ``compute_ms``) are a number or a list of repeats, shown as
 the median with the min–max band, because timings on a shared machine are
 noisy while routing figures are deterministic. None is shown as "–" (not
@@ -27,7 +28,7 @@ from tierlab.engine.meters import MISSING, Meter, MeterFold, select
 from tierlab.engine.sessionlog import SessionLog, event_from_record, read_session_log
 
 COLUMNS: tuple[Meter, ...] = select(
-    ("tok_s", "fetch_ms", "compute_ms", "ram_hit", "vram_hit", "oracle_hit", "swap", "route_agree", "route_kl",
+    ("tok_s", "fetch_ms", "compute_ms", "ram_hit", "shadow_hit", "vram_hit", "oracle_hit", "swap", "route_agree", "route_kl",
      "ids_match", "tf_nll")
 )
 
@@ -148,6 +149,7 @@ def _summarise(log: SessionLog) -> dict[str, Any]:
         "fetch_ms": meters["fetch_ms"],
         "compute_ms": meters["compute_ms"],
         "ram_hit": meters["ram_hit"],
+        "shadow_hit": meters["shadow_hit"],
         "vram_hit": meters["vram_hit"],
         "oracle_hit": oracle.hit_rate(int(slots)) if slots else None,
         "swap": meters["swap"],

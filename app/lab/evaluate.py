@@ -5,7 +5,9 @@ greedy-decodes the continuation and counts position-by-position matches,
 optionally teacher-forces the reference to get its NLL, and gathers every
 meter of the run (cache, Belady bound, routing lever, GPU tier, timings)
 from the run's own events (`RunMeters`) into the dict `tierlab eval --json`
-prints.
+prints. A knob script (`--knobs-at`, app/lab/knob_script.py) changes knobs
+during the generation and the teacher forcing alike; each run's segments
+(one per knob setting) go into the result.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierlab.app.lab.knob_script import KnobStep, ScriptedRun
 from tierlab.app.lab.oracle import OracleBand, OracleReading
 from tierlab.engine.errors import FormatError
 from tierlab.engine.meters import METER_BY_KEY, MeterFold
@@ -82,24 +85,33 @@ class RunMeters:
         return out
 
 
-def greedy_decode(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], dict]:
-    """Greedy continuation of n tokens; also returns the run's meters (RunMeters.summary)."""
+def greedy_decode(engine: Engine, prompt: list[int], n: int,
+                  steps: list[KnobStep] | None = None) -> tuple[list[int], dict]:
+    """Greedy continuation of n tokens; also returns the run's meters (RunMeters.summary) with
+    its "segments" (one per knob setting; `steps` change knobs before given tokens)."""
     run = RunMeters(engine)
+    script = ScriptedRun(engine, steps or [])
+    out: list[int] = []
     try:
         logits = engine.prefill(prompt)
-        out = []
         for i in range(n):
             token = int(np.argmax(logits))
             out.append(token)
             if i + 1 < n:
+                script.before(i + 1)
                 logits = engine.step(token)
     finally:
+        segments = script.finish(len(out))
         run.close()
-    return out, run.summary()
+    summary = run.summary()
+    summary["segments"] = segments
+    return out, summary
 
 
-def teacher_forced_nll(engine: Engine, prompt: list[int], full: list[int]) -> tuple[float, int]:
-    """Mean NLL (nats/token) of full_ids after the prompt, feeding the reference tokens."""
+def teacher_forced_nll(engine: Engine, prompt: list[int], full: list[int],
+                       script: ScriptedRun | None = None) -> tuple[float, int]:
+    """Mean NLL (nats/token) of full_ids after the prompt, feeding the reference tokens; a
+    `script` gets `before(T)` ahead of the pass that predicts reference token T."""
     logits = engine.prefill(prompt)
     total = 0.0
     n = 0
@@ -107,31 +119,42 @@ def teacher_forced_nll(engine: Engine, prompt: list[int], full: list[int]) -> tu
         total += log_softmax_nll(logits, full[i])
         n += 1
         if i + 1 < len(full):
+            if script is not None:
+                script.before(n)
             logits = engine.step(full[i])
     return total / max(n, 1), n
 
 
-def teacher_forced_run(engine: Engine, prompt: list[int], full: list[int]) -> tuple[float, dict]:
-    """Teacher-forced NLL of a reference and the meters of that run (RunMeters.summary)."""
+def teacher_forced_run(engine: Engine, prompt: list[int], full: list[int],
+                       steps: list[KnobStep] | None = None) -> tuple[float, dict]:
+    """Teacher-forced NLL of a reference and the meters of that run (RunMeters.summary, with
+    its "segments")."""
     run = RunMeters(engine)
+    script = ScriptedRun(engine, steps or [])
+    count = 0
     try:
-        nll, _ = teacher_forced_nll(engine, prompt, full)
+        nll, count = teacher_forced_nll(engine, prompt, full, script)
     finally:
+        segments = script.finish(count)
         run.close()
-    return nll, run.summary()
+    summary = run.summary()
+    summary["segments"] = segments
+    return nll, summary
 
 
 def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = False,
-             on_generated=None) -> dict:
+             on_generated=None, steps: list[KnobStep] | None = None) -> dict:
     """One evaluation run: matching, optional TF-NLL, and every meter.
 
     Meters as RunMeters.summary gives them (rates as fractions; `tierlab eval
     --json` writes them through meters_json). `on_generated()` is called after
-    the generation, before teacher forcing (a session log stops recording there)."""
+    the generation, before teacher forcing (a session log stops recording there).
+    `steps` (a knob script) run in the generation and again in the teacher forcing:
+    "segments" and "tf_segments" hold their segments."""
     engine.reset_meters()
     n = len(full) - len(prompt)
     t0 = time.perf_counter()
-    generated, meters = greedy_decode(engine, prompt, n)
+    generated, meters = greedy_decode(engine, prompt, n, steps)
     wall = time.perf_counter() - t0
     reference = full[len(prompt):]
     matching = sum(int(a == b) for a, b in zip(generated, reference))
@@ -144,10 +167,11 @@ def run_eval(engine: Engine, prompt: list[int], full: list[int], ppl: bool = Fal
     if ppl:
         # the meters above are the generation's; teacher forcing starts cold, as a separate run would
         engine.cold_start()
-        nll, count = teacher_forced_nll(engine, prompt, full)
+        nll, tf_meters = teacher_forced_run(engine, prompt, full, steps)
         result["tf_nll"] = nll
         result["ppl"] = math.exp(nll)
-        result["tf_tokens"] = count
+        result["tf_tokens"] = len(full) - len(prompt)
+        result["tf_segments"] = tf_meters["segments"]
     else:
         result["tf_nll"] = None
         result["ppl"] = None
@@ -163,6 +187,8 @@ def format_report(engine: Engine, result: dict) -> list[str]:
         f"Expert cache hit rate: {_show(result, 'ram_hit')} (hit={result['ram_hits']} miss={result['ram_misses']}) "
         f"| Belady bound {_show(result, 'oracle_hit')} at {result['cache_slots']} slots/layer"
     )
+    lines.append(f"Shadow (stock top-K, same cache state): {_show(result, 'shadow_hit')} "
+                 f"(hit={result['shadow_hits']} miss={result['shadow_misses']})")
     if engine.tier_description() is not None:
         lines.append(f"VRAM hit rate: {_show(result, 'vram_hit')} ({result.get('tier_residents', 0)} experts resident)")
     lines.extend(result["route_footer"])
@@ -172,7 +198,19 @@ def format_report(engine: Engine, result: dict) -> list[str]:
         f"attention {ms['attention']:.2f} deltanet {ms['deltanet']:.2f} router {ms['router']:.2f} "
         f"shared {ms['shared']:.2f} tier {ms['tier']:.2f} lm_head {ms['lm_head']:.2f} other {ms['other']:.2f}"
     )
+    segments = result.get("segments") or []
+    if len(segments) > 1:  # a knob script: each setting's own figures (meters in percent, as JSON writes them)
+        for seg in segments:
+            m = seg["meters"]
+            shown = " ".join(f"{k}={v}" for k, v in seg["set"].items()) or "start"
+            lines.append(f"segment {seg['from']}-{seg['to']} ({shown}): RAM hit {_pct(m.get('ram_hit'))} "
+                         f"shadow {_pct(m.get('shadow_hit'))} swap {_pct(m.get('swap'))} "
+                         f"agree {_pct(m.get('route_agree'))}")
     return lines
+
+
+def _pct(value) -> str:
+    return "–" if value is None else f"{value:.1f}%"
 
 
 def _show(result: dict, key: str) -> str:

@@ -81,6 +81,8 @@ class TierlabApp(App):
         Binding("f2", "heat_inspector", "Heat"),
         Binding("f3", "sessions", "Sessions"),
         Binding("f4", "save_heat", "Save heat", show=False),
+        Binding("f5", "cycle_meter_window", "Meter window", key_display="F5"),
+        Binding("w", "cycle_meter_window", "Meter window", show=False),
         Binding("f6", "reset_knobs", "Reset knobs", show=False),
         Binding("ctrl+l", "clear_chat", "Clear"),
         Binding("ctrl+t", "toggle_raw", "Chat/raw", show=False),
@@ -222,6 +224,7 @@ class TierlabApp(App):
         gc.freeze()
         self.engine = engine
         self.watch = EngineWatch(engine)
+        self._title_meters()
         config = engine.config
         slots = engine.cache_slots()
         self._initial_slots = slots
@@ -407,6 +410,19 @@ class TierlabApp(App):
             except Exception:  # the bound is a figure, not a reason to fail
                 pass
         self.refresh_views(force=True)
+
+    def action_cycle_meter_window(self) -> None:
+        """Show the meters over the next window: last N tokens, since the knob change, since start."""
+        if self.watch is None:
+            return
+        self.watch.cycle_window()
+        self._title_meters()
+        self.refresh_views(force=True)
+
+    def _title_meters(self) -> None:
+        """Name the meters' window in the meters box title."""
+        title = "Meters" if self.watch is None else f"Meters · {self.watch.window_title()}"
+        self.query_one("#meters-box").border_title = title
 
     def action_stop(self) -> None:
         """Stop the reply being generated (takes effect after the current token)."""
