@@ -144,6 +144,14 @@ def _sigmoid(v):
 
 
 @njit(nogil=True, fastmath=False, cache=True)
+def _silu(v):
+    """v * sigmoid(v) with an exact division: under fastmath LLVM divides with a reciprocal
+    estimate in a vectorised loop but exactly in the loop's scalar copy, and which of the two
+    runs depends on where the arrays lie in memory."""
+    return v / (np.float32(1.0) + np.float32(math.exp(-v)))
+
+
+@njit(nogil=True, fastmath=False, cache=True)
 def _softplus(v):
     if v > 20.0:
         return v
@@ -241,8 +249,7 @@ def _deltanet_head(hv, hk, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, e
         ss += o[j] * o[j]
     inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
     for j in range(dv):
-        zz = z[t, hv * dv + j]
-        out[t, hv * dv + j] = norm_w[j] * (o[j] * inv) * (zz / (np.float32(1.0) + np.float32(math.exp(-zz))))
+        out[t, hv * dv + j] = norm_w[j] * (o[j] * inv) * _silu(z[t, hv * dv + j])
 
 
 @njit(nogil=True, fastmath=False, cache=True)
