@@ -738,3 +738,18 @@ async def test_meters_window_key_names_the_window_and_reset_blanks_the_lever_met
 
         shown = str(app.query_one("#meter-swap", MeterRow).query_one(".meter--value").render())
         assert shown.strip() == "–"
+
+
+async def test_the_meters_box_names_the_lru_hit_rates_of_other_cache_sizes(make_app):
+    """The oracle band on screen: LRU at half, twice and four times the cache beside the realised hit."""
+    app = make_app()  # 6 of 16 slots: half and twice replay, four times (24) exceeds the experts
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        assert app.query_one("#meters-box").border_subtitle == ""  # no replay before the first token
+        await ask(pilot, "Once upon a time", max_tokens=6)
+        reading = app.watch.oracle_reading()
+        assert reading is not None and reading.sizes["lru_half"] == 3 and reading.sizes["lru_2x"] == 12
+        band = reading.meters()
+        subtitle = str(app.query_one("#meters-box").border_subtitle)
+        assert subtitle == (f"LRU ½× {100 * band['lru_half']:.1f}% · 2× {100 * band['lru_2x']:.1f}% · 4× –")
+        assert band["lru_half"] <= band["lru_2x"]

@@ -37,6 +37,20 @@ METERS: tuple[Meter, ...] = select(
 """The panel's rows, from the one meter catalogue (engine/meters.py)."""
 
 
+BAND: tuple[tuple[str, str], ...] = (("lru_half", "½×"), ("lru_2x", "2×"), ("lru_4x", "4×"))
+"""The oracle band's LRU sizes the meters box names, with their short labels."""
+
+
+def band_line(meters: Mapping[str, float | None] | None) -> str:
+    """The LRU hit rates at other cache sizes as one short line ('LRU ½× 51% · 2× 91% · 4× –'), or ''
+    before the band's first replay: beside the realised hit and the Belady bound it says whether a
+    bigger cache or the routing lever is the better move."""
+    if not meters:
+        return ""
+    parts = [f"{label} {METER_BY_KEY[key].show(meters.get(key)).strip()}" for key, label in BAND]
+    return "LRU " + " · ".join(parts)
+
+
 @dataclass
 class KnobMark:
     """A knob change, placed at the token it first applied to."""

@@ -33,7 +33,7 @@ from tierlab.engine.options import EngineOptions, first_run_slots
 from tierlab.engine.surface import EngineSurface
 from tierlab.widgets.heatmap import ExpertHeatmap
 from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch
-from tierlab.widgets.meters import MeterPlot, MetersPanel
+from tierlab.widgets.meters import MeterPlot, MetersPanel, band_line
 from tierlab.widgets.title_bar import TitleBar
 
 VIEW_INTERVAL = 0.25
@@ -305,6 +305,8 @@ class TierlabApp(App):
         if slow_views:
             self._plot_drawn_at = now
         self.query_one(MetersPanel).show(history, sparklines=slow_views)
+        reading = self.watch.oracle_reading()
+        self.query_one("#meters-box").border_subtitle = band_line(reading.meters() if reading else None)
         plot = self.query_one(MeterPlot)
         if plot.display and slow_views:
             plot.show(history)
