@@ -549,6 +549,8 @@ def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch):
     app = opened[-1]
     assert str(app.model_dir) == "/elsewhere"
     assert (app.options.knobs["ROUTE_J"], app.options.knobs["CACHE_ROUTE"]) == ("1", "1")
+    assert cli.main(["--meter-window", "8"]) == 0 and opened[-1].meter_window == 8
+    assert cli.main(["--meter-window", "0"]) == 2  # one line, no app
 
 
 async def test_theme_option(make_app):
@@ -753,3 +755,11 @@ async def test_the_meters_box_names_the_lru_hit_rates_of_other_cache_sizes(make_
         subtitle = str(app.query_one("#meters-box").border_subtitle)
         assert subtitle == (f"LRU ½× {100 * band['lru_half']:.1f}% · 2× {100 * band['lru_2x']:.1f}% · 4× –")
         assert band["lru_half"] <= band["lru_2x"]
+
+
+async def test_the_recent_window_takes_its_length_from_the_app(make_app):
+    app = make_app(meter_window=8)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        assert app.query_one("#meters-box").border_title == "Meters · last 8 tok"
+        assert app.watch.windows.recent == 8

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 
 from tierlab.app.cli.engine_options import add_model_args, options_from_args
+from tierlab.engine.errors import TierlabError
+from tierlab.engine.meters import RECENT_TOKENS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -24,6 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--theme", default=None, metavar="NAME",
                         help="colour theme, e.g. textual-dark, nord, gruvbox, tokyo-night (ctrl+p lists them all)")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens per reply at start (default 64)")
+    parser.add_argument("--meter-window", type=int, default=RECENT_TOKENS, metavar="N",
+                        help=f"tokens in the meters' recent window (default {RECENT_TOKENS}; F5 switches windows)")
     parser.set_defaults(run=run)
     return parser
 
@@ -31,11 +35,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from tierlab.app.tui.app import TierlabApp
 
+    if args.meter_window < 1:
+        raise TierlabError(f"--meter-window must be at least 1 token, got {args.meter_window}")
+
     app = TierlabApp(
         options_from_args(args),
         sessions_dir=args.sessions,
         seed=args.seed,
         max_tokens=args.max_tokens,
+        meter_window=args.meter_window,
         theme=args.theme,
     )
     app.run()

@@ -29,6 +29,7 @@ from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
+from tierlab.engine.meters import RECENT_TOKENS
 from tierlab.engine.options import EngineOptions, first_run_slots
 from tierlab.engine.surface import EngineSurface
 from tierlab.widgets.heatmap import ExpertHeatmap
@@ -100,10 +101,12 @@ class TierlabApp(App):
         sessions_dir: str | Path = "tierlab-sessions",
         seed: int = 0,
         max_tokens: int = 64,
+        meter_window: int = RECENT_TOKENS,
         theme: str | None = None,
     ) -> None:
         super().__init__()
         self.max_tokens = max_tokens
+        self.meter_window = meter_window
         self.start_theme = theme
         self.options = options
         self.model_dir = None if options is None else Path(options.model)
@@ -224,6 +227,7 @@ class TierlabApp(App):
         gc.freeze()
         self.engine = engine
         self.watch = EngineWatch(engine)
+        self.watch.set_recent(self.meter_window)
         self._title_meters()
         config = engine.config
         slots = engine.cache_slots()
