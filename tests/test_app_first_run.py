@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
 from textual.widgets import Input, Switch
 
 import tierlab

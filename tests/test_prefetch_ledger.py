@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
+from test_prefetch import run as decode_run
 from tierlab import ASSETS_DIR
 from tierlab.engine.checkpoint import Checkpoint
 from tierlab.engine.config import load_config
 from tierlab.engine.expert_source import RawExpertSource
 from tierlab.engine.expert_store import ExpertStore
-from tierlab.engine.knobs import Knobs
-from tierlab.engine.model import load_engine
 
 TINY = ASSETS_DIR / "tiny-moe"
 LEDGER = ("prefetch_precision", "prefetch_recall", "prefetch_ahead", "prefetch_bytes_per_saved")
@@ -56,14 +55,9 @@ def test_the_store_counts_each_read_once_by_hand():
 
 
 def run(cache, n=24, **knobs):
+    """The shipped model's reference prompt, then n greedy steps (test_prefetch's decode loop)."""
     prompt = json.loads((TINY / "ref.json").read_text())["prompt_ids"]
-    engine = load_engine(TINY, cache_slots=cache, knobs=Knobs.from_env({}, **knobs))
-    logits = [engine.prefill(prompt)]
-    for _ in range(n):
-        if engine.pilot is not None:
-            engine.pilot.loader.drain()
-        logits.append(engine.step(int(np.argmax(logits[-1]))))
-    return engine, np.stack(logits)
+    return decode_run(TINY, cache, prompt, n, **knobs)
 
 
 @pytest.mark.parametrize("pilot", [1, 2])
