@@ -56,8 +56,11 @@ def remove_stale_temps(path: str | os.PathLike) -> int:
     except OSError:
         return 0
     for name in names:
-        pid_text = name[len(prefix):].split(".", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_alive(int(pid_text)):
+        parts = name[len(prefix):-len(TEMP_SUFFIX)].split(".")  # PID.RANDOM: mkstemp's part has no dot
+        if len(parts) != 2 or not parts[0].isdigit():
+            continue  # another file's temp (e.g. of NAME.7) or not a temp of ours
+        pid = int(parts[0])
+        if pid == os.getpid() or _pid_alive(pid):
             continue
         try:
             os.unlink(folder / name)

@@ -173,10 +173,12 @@ def test_a_leftover_temp_and_lock_do_not_break_the_next_run(tmp_path):
     dead.wait()
     stale = tmp_path / f".h.heat.{dead.pid}.x1y2.tmp"
     stale.write_bytes(b"half a profile")
+    other = tmp_path / f".h.heat.{dead.pid}.{dead.pid}.x1y2.tmp"  # the temp of a file named h.heat.PID
+    other.write_bytes(b"not ours")
     (tmp_path / "h.heat.lock").write_bytes(b"")
     one = run_once(heat)
     assert np.array_equal(HeatProfile.read(heat, LAYERS, EXPERTS).counts, one)
-    assert files_in(tmp_path) == {"h.heat", "h.heat.lock"}  # the dead process's temp is gone
+    assert files_in(tmp_path) == {"h.heat", "h.heat.lock", other.name}  # the dead process's temp is gone
 
 
 # --- references, logs, convert ---------------------------------------------------
