@@ -27,6 +27,7 @@ import numpy as np
 from tierlab.engine.blob_layout import BLOB_ALIGN, GROUP, BlobLayout, check_dims, quant_kind
 from tierlab.engine.checkpoint import EXPERT_TENSOR, Checkpoint, to_f32
 from tierlab.engine.config import load_config
+from tierlab.engine.atomic import write_atomic
 from tierlab.engine.errors import ModelError
 from tierlab.engine.kernels import qmatvec
 from tierlab.engine.qlinear import quantize_matrix
@@ -281,14 +282,41 @@ def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | 
     return write_file(path, [e.spec for e in plan], arrays(), metadata)
 
 
+PARTIAL_MARK = ".tierlab-partial"  # in a `<out>.partial` folder: convert made it, so convert may remove it
+
+
+def _is_container(folder: Path) -> bool:
+    return (folder / CONTAINER_JSON).is_file()
+
+
+def _is_empty_dir(folder: Path) -> bool:
+    return folder.is_dir() and not any(folder.iterdir())
+
+
 def _check_out_dir(out: Path, force: bool, model_dir: Path) -> None:
+    """Refuse an --out that convert would have to delete but the user did not hand over.
+
+    ``--force`` replaces only a tierlab container (a folder holding
+    tierlab_container.json); any other non-empty folder is left alone.
+    """
     src, dst = model_dir.resolve(), out.resolve()
     if dst == src or dst in src.parents or src in dst.parents:
         raise ModelError("the output folder must not be, contain or sit inside the model folder", out)
+    if out.is_symlink():
+        raise ModelError("is a symbolic link; name the folder itself", out)
     if out.exists() and not out.is_dir():
         raise ModelError("exists and is not a folder", out)
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ModelError("exists and is not empty (use --force to overwrite)", out)
+    if out.is_dir() and not _is_empty_dir(out):
+        if not _is_container(out):
+            raise ModelError(f"exists, is not empty and is not a tierlab container (no {CONTAINER_JSON}); "
+                             "name a new or empty folder", out)
+        if not force:
+            raise ModelError("exists and is not empty (use --force to overwrite)", out)
+    partial = out.with_name(out.name + ".partial")
+    if (partial.exists() or partial.is_symlink()) and not (
+            partial.is_dir() and not partial.is_symlink()
+            and (_is_empty_dir(partial) or (partial / PARTIAL_MARK).is_file())):
+        raise ModelError("exists and was not made by tierlab convert; move it away", partial)
 
 
 def convert(
@@ -329,9 +357,10 @@ def convert(
     )
 
     tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
+    if tmp.exists():  # an interrupted convert's: _check_out_dir checked it holds PARTIAL_MARK
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    (tmp / PARTIAL_MARK).touch()
     total = cfg.n_layers + 1
     try:
         pad = np.zeros(layout.stride - layout.nbytes, dtype=np.uint8)
@@ -346,13 +375,14 @@ def convert(
         for name in COPIED_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)
-        (tmp / CONTAINER_JSON).write_text(json.dumps(info.to_json(), indent=1) + "\n")
+        write_atomic(tmp / CONTAINER_JSON, json.dumps(info.to_json(), indent=1) + "\n")
         if progress:
             progress(total, total, "dense tensors")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
+    (tmp / PARTIAL_MARK).unlink()
+    if out.exists():  # a tierlab container or an empty folder: _check_out_dir refused anything else
         shutil.rmtree(out)
     os.replace(tmp, out)
     return info

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from tierlab.engine.atomic import write_atomic
 from tierlab.engine.errors import FormatError
 
 MAGIC = 0x51544831  # "1HTQ" as little-endian bytes
@@ -68,23 +68,8 @@ class HeatProfile:
         return header.tobytes() + body.tobytes()
 
     def write(self, path: str | os.PathLike) -> None:
-        """Write atomically: a reader sees the old file or the new one, never half of one."""
-        path = Path(path)
-        data = self.to_bytes()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        _fsync_dir(path.parent)
+        """Write atomically, keeping the file's mode: a reader sees the old file or the new one, never half of one."""
+        write_atomic(path, self.to_bytes())
 
     @classmethod
     def from_bytes(
@@ -239,20 +224,6 @@ def _check_same_dims(a: HeatProfile, b: HeatProfile) -> None:
         raise FormatError(
             f"heat profiles differ in shape: {a.n_layers}x{a.n_experts} vs {b.n_layers}x{b.n_experts}"
         )
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable; not every filesystem allows it, which is harmless."""
-    try:
-        fd = os.open(directory or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def from_routes(n_layers: int, n_experts: int, routes: Sequence[Sequence[Iterable[int]]]) -> HeatProfile:

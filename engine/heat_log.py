@@ -1,8 +1,10 @@
 """HEAT_FILE for one process: the profile read at start, this run's routing counts, the write on close.
 
 The profile read at start plans the GPU tier's warmstart; on close the file
-gets that profile plus every routing of this process (never reset by the
-meters), written atomically, so each run adds to what the earlier ones saw.
+gets every routing of this process (never reset by the meters) added to what
+the file holds at that moment, under a lock on ``HEAT_FILE.lock`` and
+written atomically with the file's mode kept, so runs that share a
+HEAT_FILE, one after another or at the same time, add up exactly.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from tierlab.engine.atomic import locked
 from tierlab.engine.errors import FormatError
 from tierlab.engine.heat import HeatProfile
 
@@ -34,9 +37,11 @@ class HeatLog:
         self.counts[layer, experts] += 1
 
     def write(self, notice: Callable[[str], None]) -> str | None:
-        """Write base profile + this run's counts to HEAT_FILE atomically; returns the path written.
+        """Add this run's counts to HEAT_FILE as it is now, atomically; returns the path written.
 
-        A read-only file is kept as it is; a failed write is one notice, never an exception.
+        The counts written are cleared, so a second write adds only what was
+        routed since. A read-only file is kept as it is; a failed write is
+        one notice, never an exception.
         """
         path = self.path
         if not path:
@@ -44,12 +49,15 @@ class HeatLog:
         if Path(path).exists() and not Path(path).stat().st_mode & 0o222:  # mode bits: root ignores access()
             notice(f"{path}: read-only heat profile kept as it is")
             return None
-        counts = self.counts.copy()
-        if self.base is not None:
-            counts += self.base.counts
         try:
-            HeatProfile(self.n_layers, self.n_experts, counts).write(path)
+            with locked(path):
+                current = HeatProfile.read(path, self.n_layers, self.n_experts) if Path(path).exists() else None
+                counts = self.counts.copy()
+                if current is not None:
+                    counts += current.counts
+                HeatProfile(self.n_layers, self.n_experts, counts).write(path)
         except (OSError, FormatError) as exc:
             notice(f"{path}: heat profile not written ({getattr(exc, 'strerror', None) or exc})")
             return None
+        self.counts[:] = 0
         return str(path)

@@ -34,7 +34,9 @@ def _logged(summary: dict) -> dict:
 
 
 class EngineLog:
-    def __init__(self, engine: EngineSurface, path: str | Path) -> None:
+    def __init__(self, engine: EngineSurface, path: str | Path, append: bool = False) -> None:
+        """Records into a new file at `path` (or after what it holds, with `append`); a write that
+        fails stops the recording with one engine notice and the run goes on."""
         self.engine = engine
         self.tokens = 0
         self.meters: dict | None = None
@@ -45,6 +47,7 @@ class EngineLog:
         self.writer = SessionLogWriter(
             path, model=model_record(engine), knobs=values,
             cache={"ram_slots": stats.slots, "gpu_tier": stats.tier_on, "tier_residents": stats.tier_residents},
+            append=append, on_error=engine.notice,
         )
         engine.subscribe(self._on_token)
         engine.knobs.subscribe(self._on_knob)

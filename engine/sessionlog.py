@@ -31,7 +31,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -144,7 +144,14 @@ def machine_info() -> dict[str, Any]:
 
 
 class SessionLogWriter:
-    """Appends records to a new session log; safe to call from several threads."""
+    """Appends records to a session log; safe to call from several threads.
+
+    The log is a new file unless ``append`` is set (then this run's header
+    and records follow what the file holds; nothing is ever overwritten).
+    A write that fails (a full disk, an I/O error) stops the recording: the
+    file is cut back to its last whole record, so what was written still
+    reads, and ``on_error`` is told once; the run goes on.
+    """
 
     def __init__(
         self,
@@ -153,15 +160,22 @@ class SessionLogWriter:
         model: Mapping[str, Any],
         knobs: Any,
         cache: Mapping[str, Any] | None = None,
+        append: bool = False,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         """``model``: path, arch and dims; ``knobs``: a KnobValues or dict;
         ``cache``: e.g. ``{"ram_slots": 64, "gpu_tier": True}`` (ram_slots feeds the Belady oracle)."""
         self.path = Path(path)
         self._lock = threading.Lock()
+        self._on_error = on_error
+        self.failed: str | None = None  # why recording stopped, if it did
         try:
-            self._file = open(self.path, "w", encoding="utf-8")
+            self._file = open(self.path, "a" if append else "x", encoding="utf-8")
+        except FileExistsError:
+            raise FormatError("session log exists (use --append to add to it, or name a new file)", self.path) from None
         except OSError as exc:
             raise FormatError(f"cannot write session log: {exc.strerror}", self.path) from None
+        self._good = os.fstat(self._file.fileno()).st_size  # the end of the last whole record
         knob_dict = knobs.as_dict() if hasattr(knobs, "as_dict") else dict(knobs)
         self._write(
             {
@@ -184,8 +198,34 @@ class SessionLogWriter:
         with self._lock:
             if self._file.closed:
                 return
-            self._file.write(line + "\n")
-            self._file.flush()
+            try:
+                self._file.write(line + "\n")
+                self._file.flush()
+                self._good += len(line) + 1  # json.dumps writes ASCII: one byte per character
+            except OSError as exc:
+                self._stop(exc)
+
+    def _stop(self, exc: OSError) -> None:
+        """Cut the file back to its last whole record, close it and say so once."""
+        self.failed = exc.strerror or str(exc)
+        fd = self._file.fileno()
+        try:
+            os.ftruncate(fd, self._good)
+        except OSError:
+            pass
+        try:  # the unwritten rest of the buffer goes nowhere when the file closes
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        except OSError:
+            pass
+        try:
+            self._file.close()
+        except (OSError, ValueError):
+            pass
+        if self._on_error is not None:
+            self._on_error(f"{self.path}: session log stopped ({self.failed}); "
+                           "the records written before it are kept")
 
     def write_token(self, event: TokenEvent) -> None:
         self._write(
@@ -222,7 +262,12 @@ class SessionLogWriter:
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._file.closed:
+                return
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._stop(exc)
 
     def __enter__(self) -> "SessionLogWriter":
         return self

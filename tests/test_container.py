@@ -180,7 +180,7 @@ def test_metadata_and_alignment(containers):
 def test_refuses_to_overwrite_without_force(checkpoints, tmp_path, capsys):
     folder = checkpoints["qwen3_moe"][0]
     out = tmp_path / "c"
-    out.mkdir()
+    convert(folder, out, bits=4)  # --force replaces only a tierlab container
     (out / "keep.txt").write_text("x")
     assert cli_main(["convert", "--model", str(folder), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()

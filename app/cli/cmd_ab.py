@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from tierlab.app.cli.engine_options import add_knobs_at_arg, knob_steps_from_args
+from tierlab.app.cli.signals import sigterm_exits
 from tierlab.app.lab.ab import run_ab
 from tierlab.app.lab.abtable import render_markdown, render_text
 from tierlab.app.lab.evaluate import read_ref
@@ -38,8 +39,9 @@ def run(args) -> int:
     steps = knob_steps_from_args(args)
     prompt, full = read_ref(args.ref)
     default_engine = {"CACHE": str(args.cache)} if args.cache else {}
-    results = run_ab(args.model, prompt, full, args.row, repeat=args.repeat, default_engine=default_engine,
-                     tf_nll=not args.no_tf, steps=steps, progress=lambda s: print(f"  {s}", file=sys.stderr))
+    with sigterm_exits():  # run_ab closes its engines in a finally
+        results = run_ab(args.model, prompt, full, args.row, repeat=args.repeat, default_engine=default_engine,
+                         tf_nll=not args.no_tf, steps=steps, progress=lambda s: print(f"  {s}", file=sys.stderr))
     rows = [r.as_row() for r in results]
     if args.json:
         print(json.dumps(rows))

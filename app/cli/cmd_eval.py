@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from tierlab.app.cli.log_args import add_log_args, check_log_target
+from tierlab.app.cli.signals import sigterm_exits
 from tierlab.app.cli.engine_options import (add_knobs_at_arg, add_model_args, knob_steps_from_args, open_engine,
                                             print_notices)
 from tierlab.app.lab.evaluate import format_report, read_ref, run_eval
@@ -17,25 +19,29 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ref", required=True, help="reference file (ref.json)")
     p.add_argument("--ppl", action="store_true", help="also teacher-force the reference for TF-NLL")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    p.add_argument("--log", metavar="FILE", help="record a session log (JSON lines) of the generation")
+    add_log_args(p, help="record a session log (JSON lines) of the generation")
     add_knobs_at_arg(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     steps = knob_steps_from_args(args)
+    check_log_target(args)
     prompt, full = read_ref(args.ref)
-    engine = open_engine(args, with_tokenizer=False)
-    log = EngineLog(engine, args.log) if args.log else None
-    try:
-        result = run_eval(engine, prompt, full, ppl=args.ppl, on_generated=log.detach if log else None,
-                          steps=steps)
-    finally:
-        if log is not None:
-            done = "result" in locals()
-            log.close({"ids_match": f"{result['matching']}/{result['total']}", "tf_nll": result["tf_nll"]}
-                      if done else {"aborted": True})
-    engine.close()
+    with sigterm_exits():
+        engine = open_engine(args, with_tokenizer=False)
+        try:
+            log = EngineLog(engine, args.log, append=args.append) if args.log else None
+            try:
+                result = run_eval(engine, prompt, full, ppl=args.ppl, on_generated=log.detach if log else None,
+                                  steps=steps)
+            finally:
+                if log is not None:
+                    done = "result" in locals()
+                    log.close({"ids_match": f"{result['matching']}/{result['total']}", "tf_nll": result["tf_nll"]}
+                              if done else {"aborted": True})
+        finally:
+            engine.close()  # writes HEAT_FILE on every way out: done, an error, ctrl+c, SIGTERM
     print_notices(engine)
     if args.json:
         print(json.dumps(meters_json(result)))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Callable
 
+from tierlab.app.cli.log_args import add_log_args, check_log_target
+from tierlab.app.cli.signals import sigterm_exits
 from tierlab.app.cli.engine_options import (add_knobs_at_arg, add_model_args, knob_steps_from_args, open_engine,
                                             print_notices)
 from tierlab.app.lab.knob_script import ScriptedRun
@@ -24,14 +27,27 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and meters")
-    p.add_argument("--log", metavar="FILE", help="record a session log (JSON lines)")
+    add_log_args(p)
     add_knobs_at_arg(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     steps = knob_steps_from_args(args)
-    engine = open_engine(args)
+    check_log_target(args)
+    with sigterm_exits():
+        engine = open_engine(args)
+        try:
+            report = _generate(args, engine, steps)
+        finally:
+            engine.close()  # writes HEAT_FILE on every way out: done, an error, ctrl+c, SIGTERM
+    print_notices(engine)
+    report()
+    return 0
+
+
+def _generate(args, engine, steps) -> Callable[[], None]:
+    """Stream the completion; returns what prints the result once the engine is closed."""
     tok = engine.tokenizer
     if tok is None:
         raise ModelError("no tokenizer.json: generate needs a tokenizer (use `tierlab ref --prompt-ids`)", args.model)
@@ -39,35 +55,41 @@ def run(args) -> int:
     prompt_ids = tok.encode(text)
     if not prompt_ids:
         raise ModelError("the prompt encodes to no tokens")
-    log = EngineLog(engine, args.log) if args.log else None
+    log = EngineLog(engine, args.log, append=args.append) if args.log else None
     out_ids: list[int] = []
     printed = ""
     eos = set(engine.eos_ids())
     script = ScriptedRun(engine, steps)
-    for token in engine.generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, args.seed):
-        if token in eos:
-            break
-        out_ids.append(token)
-        text_so_far = tok.decode(out_ids)
-        if not args.json and not text_so_far.endswith("\ufffd"):
-            sys.stdout.write(text_so_far[len(printed):])
-            sys.stdout.flush()
-            printed = text_so_far
-        script.before(len(out_ids))  # the pass that predicts the next token runs with these knobs
+    try:
+        for token in engine.generate(prompt_ids, args.max_tokens, args.temperature, args.top_p, args.seed):
+            if token in eos:
+                break
+            out_ids.append(token)
+            text_so_far = tok.decode(out_ids)
+            if not args.json and not text_so_far.endswith("\ufffd"):
+                sys.stdout.write(text_so_far[len(printed):])
+                sys.stdout.flush()
+                printed = text_so_far
+            script.before(len(out_ids))  # the pass that predicts the next token runs with these knobs
+    except BaseException:
+        if log is not None:
+            log.close({"generated": len(out_ids), "aborted": True})
+        raise
     meters = engine.meters()
     segments = script.finish(len(out_ids))
     if log is not None:
         log.close({"generated": len(out_ids)})
-    engine.close()
-    print_notices(engine)
-    if args.json:
-        print(json.dumps({"prompt_ids": prompt_ids, "ids": out_ids, "text": tok.decode(out_ids),
-                          **meters_json(meters), "segments": segments}))
-    else:
-        sys.stdout.write(tok.decode(out_ids)[len(printed):] + "\n")
-        footer = [f"Expert cache hit rate: {METER_BY_KEY['ram_hit'].show(meters['ram_hit'])} "
-                  f"(hit={meters['ram_hits']} miss={meters['ram_misses']})",
-                  *format_footer(engine.knobs.snapshot(), meters),
-                  f"{METER_BY_KEY['tok_s'].show(meters['tok_s'], 'panel').strip()} tok/s"]
-        print("\n".join(footer), file=sys.stderr)
-    return 0
+
+    def report() -> None:
+        if args.json:
+            print(json.dumps({"prompt_ids": prompt_ids, "ids": out_ids, "text": tok.decode(out_ids),
+                              **meters_json(meters), "segments": segments}))
+        else:
+            sys.stdout.write(tok.decode(out_ids)[len(printed):] + "\n")
+            footer = [f"Expert cache hit rate: {METER_BY_KEY['ram_hit'].show(meters['ram_hit'])} "
+                      f"(hit={meters['ram_hits']} miss={meters['ram_misses']})",
+                      *format_footer(engine.knobs.snapshot(), meters),
+                      f"{METER_BY_KEY['tok_s'].show(meters['tok_s'], 'panel').strip()} tok/s"]
+            print("\n".join(footer), file=sys.stderr)
+
+    return report

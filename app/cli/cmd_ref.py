@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tierlab.app.cli.engine_options import add_model_args, open_engine, print_notices
+from tierlab.app.cli.signals import sigterm_exits
 from tierlab.engine.errors import ModelError
 from tierlab.app.lab.evaluate import greedy_decode, write_ref
 
@@ -29,18 +30,21 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    engine = open_engine(args, with_tokenizer=args.prompt is not None)
-    if args.prompt is not None:
-        if engine.tokenizer is None:
-            raise ModelError("no tokenizer.json: use --prompt-ids", args.model)
-        prompt = engine.tokenizer.encode(args.prompt)
-    else:
-        prompt = parse_ids(args.prompt_ids)
     if args.n < 1:
         raise ModelError("-n must be at least 1")
-    generated, _ = greedy_decode(engine, prompt, args.n)
-    write_ref(args.out, prompt, prompt + generated)
-    engine.close()
+    with sigterm_exits():
+        engine = open_engine(args, with_tokenizer=args.prompt is not None)
+        try:
+            if args.prompt is not None:
+                if engine.tokenizer is None:
+                    raise ModelError("no tokenizer.json: use --prompt-ids", args.model)
+                prompt = engine.tokenizer.encode(args.prompt)
+            else:
+                prompt = parse_ids(args.prompt_ids)
+            generated, _ = greedy_decode(engine, prompt, args.n)
+            write_ref(args.out, prompt, prompt + generated)
+        finally:
+            engine.close()  # writes HEAT_FILE on every way out: done, an error, ctrl+c, SIGTERM
     print_notices(engine)
     print(f"wrote {args.out}: {len(prompt)} prompt + {len(generated)} generated tokens")
     return 0

@@ -21,6 +21,7 @@ import numpy as np
 
 from tierlab.app.lab.knob_script import KnobStep, ScriptedRun
 from tierlab.app.lab.oracle import OracleBand, OracleReading
+from tierlab.engine.atomic import write_atomic
 from tierlab.engine.errors import FormatError
 from tierlab.engine.meters import METER_BY_KEY, MeterFold
 from tierlab.engine.model import TIMER_NAMES, Engine
@@ -43,7 +44,11 @@ def read_ref(path: str | Path) -> tuple[list[int], list[int]]:
 
 
 def write_ref(path: str | Path, prompt: list[int], full: list[int]) -> None:
-    Path(path).write_text(json.dumps({"prompt_ids": list(prompt), "full_ids": list(full)}) + "\n")
+    """Write atomically: a failed write (a full disk) leaves an existing reference as it was."""
+    try:
+        write_atomic(path, json.dumps({"prompt_ids": list(prompt), "full_ids": list(full)}) + "\n")
+    except OSError as exc:
+        raise FormatError(f"cannot write reference: {exc.strerror or exc}", path) from None
 
 
 def log_softmax_nll(logits: np.ndarray, target: int) -> float:

@@ -2,6 +2,8 @@
 
 Files go to one folder (``--sessions``, default ``./tierlab-sessions``) with
 names that sort by time, so the sessions screen can list them newest first.
+Heat profiles are written atomically (engine/atomic.py), so a crash or a
+full disk never leaves half of one.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
 from tierlab.app.tui.files import describe_log, list_logs, stamped_path
 from tierlab.app.lab import abtable
+from tierlab.engine.atomic import write_atomic
 from tierlab.engine.errors import TierlabError
 
 
@@ -162,7 +163,7 @@ class SessionsScreen(Screen):
             return None
         path = stamped_path(self.folder, "ab", ".md")
         lines = [f"A: `{self.picked['a'].name}`  ", f"B: `{self.picked['b'].name}`", "", abtable.render_markdown(self.rows), ""]
-        path.write_text("\n".join(lines), encoding="utf-8")
+        write_atomic(path, "\n".join(lines))
         self.app.notify(str(path), title="A/B exported", timeout=4)
         return path
 
