@@ -1,0 +1,195 @@
+"""A jinja2 sandbox whose renders have a budget: loop steps, operations and characters.
+
+A chat template ships with an untrusted checkpoint and is code: beyond the
+sandbox's walls (no Python internals), it can loop 10**30 times, multiply a
+string to a terabyte or recurse without end. Every render here counts what
+it does, deterministically, and stops with TemplateBudgetError the moment a
+count passes its cap, so a bad template is refused quickly on any machine:
+
+- loop steps: every item any `{% for %}` takes (all loops of the render together);
+- operations: every call, attribute and item lookup;
+- characters: every piece of output (also inside macros and `{% set %}` blocks), and the size
+  of each string or list that `*`, `+`, `~`, `**` and the width-taking filters build, which
+  is checked before it is built where its size can be known.
+
+The counts are kept per thread, so two renders never share one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+MAX_LOOP_STEPS = 200_000
+"""Items all loops of one render may take together: a long chat takes a few per message."""
+MAX_OPERATIONS = 2_000_000
+"""Calls, attribute and item lookups per render."""
+MAX_CHARS = 4_000_000
+"""Characters of output per render, and the largest string or list one expression may build."""
+MAX_POWER_BITS = 4096
+"""The largest integer `**` may build, in bits."""
+
+WIDTH_FILTERS = ("center", "indent", "wordwrap", "truncate", "batch", "slice", "filesizeformat", "round")
+"""Filters whose numeric arguments set a size: none above MAX_CHARS."""
+
+
+class TemplateBudgetError(Exception):
+    """A render went past one of its caps."""
+
+
+class _Counts(threading.local):
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loop_steps = 0
+        self.operations = 0
+        self.chars = 0
+
+
+def _sized(value):
+    return len(value) if isinstance(value, (str, list, tuple)) else 0
+
+
+class BudgetedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, counting each render against the caps above."""
+
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.counts = _Counts()
+        self.filters = {name: self._width_checked(name, f) if name in WIDTH_FILTERS else f
+                        for name, f in self.filters.items()}
+        self.filters["replace"] = self._checked_replace(self.filters["replace"])
+
+    # -- the render -----------------------------------------------------------
+
+    def render_budgeted(self, template, **variables) -> str:
+        """Render with fresh counts; output is counted as it is produced."""
+        self.counts.reset()
+        parts = []
+        for piece in template.generate(**variables):
+            parts.append(piece)
+        return "".join(parts)
+
+    def budget_source(self, source: str) -> nodes.Template:
+        """Parse `source` and route its loops, output and concatenations through the counters."""
+        tree = self.parse(source)
+        for loop in tree.find_all(nodes.For):
+            loop.iter = self._counted("budget_loop", loop.iter)
+        for output in tree.find_all(nodes.Output):
+            output.nodes = [self._counted("budget_output", nodes.Const(n.data) if isinstance(n, nodes.TemplateData) else n)
+                            for n in output.nodes]
+        for parent in list(tree.find_all(nodes.Node)):
+            if isinstance(parent, nodes.FilterBlock):
+                continue
+            for field in parent.fields:
+                child = getattr(parent, field, None)
+                if isinstance(child, (nodes.Concat, nodes.Filter)):
+                    setattr(parent, field, self._counted("budget_size", child))
+                elif isinstance(child, list):
+                    setattr(parent, field, [self._counted("budget_size", c) if isinstance(c, (nodes.Concat, nodes.Filter))
+                                            else c for c in child])
+        return tree
+
+    @staticmethod
+    def _counted(hook: str, node: nodes.Expr) -> nodes.Expr:
+        call = nodes.Call(nodes.EnvironmentAttribute(hook), [node], [], None, None)
+        call.set_lineno(node.lineno or 1)
+        return call
+
+    # -- the counters -----------------------------------------------------------
+
+    def _step(self) -> None:
+        self.counts.operations += 1
+        if self.counts.operations > MAX_OPERATIONS:
+            raise TemplateBudgetError(f"more than {MAX_OPERATIONS:,} operations")
+
+    def _check_size(self, size: int) -> None:
+        if size > MAX_CHARS:
+            raise TemplateBudgetError(f"a string or list of {size:,} items (the cap is {MAX_CHARS:,})")
+
+    def budget_loop(self, iterable):
+        counts = self.counts
+        for item in iterable:
+            counts.loop_steps += 1
+            if counts.loop_steps > MAX_LOOP_STEPS:
+                raise TemplateBudgetError(f"more than {MAX_LOOP_STEPS:,} loop steps")
+            yield item
+
+    def budget_output(self, value):
+        text = value if isinstance(value, str) else str(value)
+        self.counts.chars += len(text)
+        if self.counts.chars > MAX_CHARS:
+            raise TemplateBudgetError(f"more than {MAX_CHARS:,} characters of output")
+        return value
+
+    def budget_size(self, value):
+        self._check_size(_sized(value))
+        return value
+
+    # -- the sandbox's hooks ----------------------------------------------------
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        __self._step()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        self._step()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        self._step()
+        return super().getitem(obj, argument)
+
+    def call_binop(self, context, operator_name: str, left, right):
+        self._step()
+        if operator_name == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(times, int) and isinstance(seq, (str, list, tuple)):
+                    self._check_size(len(seq) * max(times, 0))
+        elif operator_name == "+":
+            self._check_size(_sized(left) + _sized(right))
+        elif operator_name == "**":
+            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+                if right * abs(left).bit_length() > MAX_POWER_BITS:
+                    raise TemplateBudgetError(f"an integer power of more than {MAX_POWER_BITS} bits")
+        result = super().call_binop(context, operator_name, left, right)
+        if operator_name == "%":
+            self._check_size(_sized(result))
+        return result
+
+    # -- filters that build by size ---------------------------------------------
+
+    def _width_checked(self, name: str, func):
+        def checked(*args, **kwargs):
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_CHARS:
+                    raise TemplateBudgetError(f"filter {name} with a size of {value:,}")
+            return func(*args, **kwargs)
+
+        return _same_pass_arg(checked, func)
+
+    def _checked_replace(self, func):
+        def checked(*args, **kwargs):
+            strings = [a for a in args if isinstance(a, str)]
+            if len(strings) >= 3:
+                s, old, new = strings[-3:]
+                count = s.count(old) if old else len(s) + 1
+                self._check_size(len(s) + count * max(len(new) - len(old), 0))
+            return func(*args, **kwargs)
+
+        return _same_pass_arg(checked, func)
+
+
+def _same_pass_arg(wrapper, func):
+    """Keep jinja's pass_eval_context/pass_environment mark, so the filter gets the same arguments."""
+    for attr in ("jinja_pass_arg",):
+        if hasattr(func, attr):
+            setattr(wrapper, attr, getattr(func, attr))
+    return wrapper
+
+
