@@ -17,6 +17,7 @@ The counts are kept per thread, so two renders never share one.
 
 from __future__ import annotations
 
+import re
 import threading
 
 from jinja2 import nodes
@@ -33,6 +34,10 @@ MAX_POWER_BITS = 4096
 
 WIDTH_FILTERS = ("center", "indent", "wordwrap", "truncate", "batch", "slice", "filesizeformat", "round")
 """Filters whose numeric arguments set a size: none above MAX_CHARS."""
+
+
+#: A width or precision in a %-format or str.format spec (`%1000000d`, `{:>1000000}`, `%*d`).
+_FORMAT_SIZE = re.compile(r"[%:][^\d{}*]{0,3}(\d{8,}|\*|\{)|\.(\d{8,})")
 
 
 class TemplateBudgetError(Exception):
@@ -64,6 +69,9 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         self.filters = {name: self._width_checked(name, f) if name in WIDTH_FILTERS else f
                         for name, f in self.filters.items()}
         self.filters["replace"] = self._checked_replace(self.filters["replace"])
+        self.filters["join"] = self._checked_join(self.filters["join"])
+        self.filters["format"] = self._checked_format(self.filters["format"])
+        self.globals["range"] = self.budget_range
 
     # -- the render -----------------------------------------------------------
 
@@ -120,6 +128,37 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
                 raise TemplateBudgetError(f"more than {MAX_LOOP_STEPS:,} loop steps")
             yield item
 
+    def budget_range(self, *args):
+        """`range`, refused before it starts when it is longer than the loop budget."""
+        try:
+            rng = range(*args)
+            size = len(rng)
+        except OverflowError:
+            size = MAX_LOOP_STEPS + 1
+        if size > MAX_LOOP_STEPS:
+            raise TemplateBudgetError(f"a range longer than {MAX_LOOP_STEPS:,} loop steps")
+        return rng
+
+    def _check_format(self, fmt, args) -> None:
+        """A format string may not pad to more than the cap, nor take its width from an argument
+        (`%*d`) that is larger."""
+        if not isinstance(fmt, str):
+            return
+        for match in _FORMAT_SIZE.finditer(fmt):
+            digits = match.group(1) or match.group(2)
+            if digits in ("*", "{"):
+                if any(isinstance(a, int) and abs(a) > MAX_CHARS for a in args):
+                    raise TemplateBudgetError(f"a format whose width is over {MAX_CHARS:,}")
+            elif digits is not None and int(digits) > MAX_CHARS:
+                raise TemplateBudgetError(f"a format width of {int(digits):,}")
+
+    def _join_size(self, items, sep) -> int:
+        if not isinstance(items, (list, tuple, str)):
+            return 0  # a generator: counted as it is consumed, by the size check of the result
+        self._check_size(len(items))
+        sep_len = len(sep) if isinstance(sep, str) else 0
+        return sum(len(x) if isinstance(x, str) else 0 for x in items) + max(len(items) - 1, 0) * sep_len
+
     def budget_output(self, value):
         text = value if isinstance(value, str) else str(value)
         self.counts.chars += len(text)
@@ -135,11 +174,25 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
         __self._step()
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, (str, list, tuple)):
+            __self._check_method(owner, getattr(__obj, "__name__", ""), args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
     def getattr(self, obj, attribute):
         self._step()
-        return super().getattr(obj, attribute)
+        value = super().getattr(obj, attribute)
+        if isinstance(obj, str) and attribute in ("format", "format_map") and callable(value):
+            return self._format_checked(obj, value)
+        return value
+
+    def _format_checked(self, fmt: str, method):
+        """`str.format` as the sandbox wraps it, checked for widths over the cap first."""
+        def checked(*args, **kwargs):
+            self._check_format(fmt, (*args, *kwargs.values(), *_mapping_values(args)))
+            return method(*args, **kwargs)
+
+        return checked
 
     def getitem(self, obj, argument):
         self._step()
@@ -157,10 +210,27 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
             if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
                 if right * abs(left).bit_length() > MAX_POWER_BITS:
                     raise TemplateBudgetError(f"an integer power of more than {MAX_POWER_BITS} bits")
+        elif operator_name == "%" and isinstance(left, str):
+            self._check_format(left, right if isinstance(right, tuple) else (right,))
         result = super().call_binop(context, operator_name, left, right)
         if operator_name == "%":
             self._check_size(_sized(result))
         return result
+
+    def _check_method(self, owner, name: str, args, kwargs) -> None:
+        """Methods of strings and lists that build by size (`center`, `zfill`, `format`, `join`)."""
+        values = (*args, *kwargs.values())
+        if name in ("format", "format_map"):
+            self._check_format(owner, values)
+        elif name == "join" and args:
+            self._check_size(self._join_size(args[0], owner))
+        elif name == "replace" and len(args) >= 2 and isinstance(owner, str):
+            old, new = args[0], args[1]
+            if isinstance(old, str) and isinstance(new, str):
+                count = owner.count(old) if old else len(owner) + 1
+                self._check_size(len(owner) + count * max(len(new) - len(old), 0))
+        elif any(isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_CHARS for v in values):
+            raise TemplateBudgetError(f"{name} with a size over {MAX_CHARS:,}")
 
     # -- filters that build by size ---------------------------------------------
 
@@ -183,6 +253,29 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
             return func(*args, **kwargs)
 
         return _same_pass_arg(checked, func)
+
+
+    def _checked_join(self, func):
+        def checked(*args, **kwargs):
+            values = [a for a in args if not hasattr(a, "environment")]  # past the eval context
+            if values:
+                sep = values[1] if len(values) > 1 else kwargs.get("d", "")
+                if isinstance(values[0], (list, tuple, str)):
+                    self._check_size(self._join_size(values[0], sep))
+            return func(*args, **kwargs)
+
+        return _same_pass_arg(checked, func)
+
+    def _checked_format(self, func):
+        def checked(value, *args, **kwargs):
+            self._check_format(value, (*args, *kwargs.values()))
+            return func(value, *args, **kwargs)
+
+        return _same_pass_arg(checked, func)
+
+
+def _mapping_values(args) -> tuple:
+    return tuple(v for a in args if isinstance(a, dict) for v in a.values())
 
 
 def _same_pass_arg(wrapper, func):
