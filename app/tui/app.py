@@ -24,6 +24,7 @@ from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widgets import Button, Footer
 
+from tierlab.app.cli.errors import error_line
 from tierlab.app.tui.chat import ChatMessage, ChatPane
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
@@ -58,9 +59,9 @@ def warm_oracle_kernels() -> None:
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as the single line a notification can show."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    """An exception as the single line a notification can show, classified as the command
+    line classifies it (bad input names the file or value; anything else is an internal error)."""
+    return error_line(exc)
 
 
 class TierlabApp(App):
@@ -190,11 +191,8 @@ class TierlabApp(App):
                 engine = options.open(progress=self._loading_progress)
                 self._call_ui(self._show_loading, "compiling kernels · the oracle's replays")
                 warm_oracle_kernels()
-        except TierlabError as exc:
+        except Exception as exc:  # bad input, or an engine bug: either way the app stays up
             self._call_ui(self._engine_failed, one_line(exc))
-            return
-        except Exception as exc:  # an engine bug must not take the app down
-            self._call_ui(self._engine_failed, f"{type(exc).__name__}: {one_line(exc)}")
             return
         self._call_ui(self._engine_ready, engine)
 
@@ -338,9 +336,9 @@ class TierlabApp(App):
             reply = chat.add("raw")
         else:
             messages = chat.messages + [{"role": "user", "content": event.text}]
-            try:
+            try:  # the template's budget keeps this short (engine/template_budget.py)
                 prompt = tokenizer.render_chat(messages, add_generation_prompt=True)
-            except TierlabError as exc:
+            except Exception as exc:  # a template that fails must not take the app down
                 self.notify(one_line(exc), title="Chat template", severity="error")
                 return
             chat.messages.append(messages[-1])
@@ -380,10 +378,8 @@ class TierlabApp(App):
                 if now - last_shown >= STREAM_INTERVAL:
                     last_shown = now
                     self._pending_text = (reply, tokenizer.decode(produced, skip_special=True))
-        except TierlabError as exc:
+        except Exception as exc:  # bad data or an engine bug ends this reply, not the app
             error = one_line(exc)
-        except Exception as exc:  # an engine bug ends this reply, not the app
-            error = f"{type(exc).__name__}: {one_line(exc)}"
         text = tokenizer.decode(produced, skip_special=True) if produced else ""
         self._engine_idle.set()
         self._call_ui(self._finish_reply, reply, text, len(produced), stop.is_set(), error)
@@ -482,7 +478,7 @@ class TierlabApp(App):
         old = self.engine.cache_slots()
         try:
             self.engine.set_cache_slots(slots)
-        except (TierlabError, ValueError) as exc:
+        except Exception as exc:  # a size the engine refuses, or an engine bug: a notice
             self._cache_applied(old, slots, one_line(exc))
         else:
             self._cache_applied(old, slots, None)
@@ -501,10 +497,8 @@ class TierlabApp(App):
             error = None
             try:
                 engine.set_cache_slots(slots)
-            except (TierlabError, ValueError) as exc:
+            except Exception as exc:  # a size the engine refuses, or an engine bug: a notice
                 error = one_line(exc)
-            except Exception as exc:  # an engine bug must not take the app down
-                error = f"{type(exc).__name__}: {one_line(exc)}"
             with self._cache_lock:
                 if self._cache_wanted == slots:
                     self._cache_wanted = None
@@ -578,7 +572,7 @@ class TierlabApp(App):
             return None
         try:
             written = save_session_heat(self.engine, path, self.sessions_dir)
-        except (TierlabError, OSError) as exc:
+        except Exception as exc:  # a file that cannot be written: a notice
             self.notify(one_line(exc), title="Save heat", severity="error")
             return None
         self.notify(str(written), title="Heat profile saved", timeout=4)
@@ -595,14 +589,14 @@ class TierlabApp(App):
             recorder, self.recorder = self.recorder, None
             try:
                 path = recorder.stop()
-            except (TierlabError, OSError) as exc:
+            except Exception as exc:  # a file that cannot be written: a notice
                 self.notify(one_line(exc), title="Recording", severity="error")
             else:
                 self.notify(str(path), title="Session log saved", timeout=4)
         else:
             try:
                 self.recorder = start_recording(self.engine, self.sessions_dir)
-            except (TierlabError, OSError) as exc:
+            except Exception as exc:  # a file that cannot be written: a notice
                 self.notify(one_line(exc), title="Recording", severity="error")
                 return
             self.notify(str(self.recorder.path), title="Recording", timeout=3)
