@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from tierlab.engine.errors import TierlabError
+from tierlab.engine.errors import SettingError
 
 SETTING_NAMES = ("temperature", "top_p", "seed")
 
@@ -16,11 +16,11 @@ def check_settings(temperature: float, top_p: float, seed: int, names: tuple[str
     them (flags on the command line), so the one line names what the user typed."""
     t_name, p_name, s_name = names
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise TierlabError(f"{t_name} must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        raise SettingError(f"{t_name} must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise TierlabError(f"{p_name} must be in (0, 1], got {top_p!r}")
+        raise SettingError(f"{p_name} must be in (0, 1], got {top_p!r}")
     if isinstance(seed, bool) or int(seed) != seed or seed < 0:
-        raise TierlabError(f"{s_name} must be a non-negative integer, got {seed!r}")
+        raise SettingError(f"{s_name} must be a non-negative integer, got {seed!r}")
 
 
 class Sampler:
