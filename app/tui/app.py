@@ -331,19 +331,42 @@ class TierlabApp(App):
             self.notify("still answering; Esc stops it", severity="warning")
             return
         if chat.raw_mode:
-            prompt = event.text
             chat.add("user", event.text)
-            reply = chat.add("raw")
+            self._begin_reply(event.text, chat.add("raw"))
         else:
-            messages = chat.messages + [{"role": "user", "content": event.text}]
-            try:  # the template's budget keeps this short (engine/template_budget.py)
-                prompt = tokenizer.render_chat(messages, add_generation_prompt=True)
-            except Exception as exc:  # a template that fails must not take the app down
-                self.notify(one_line(exc), title="Chat template", severity="error")
-                return
-            chat.messages.append(messages[-1])
-            chat.add("user", event.text)
-            reply = chat.add("assistant")
+            # The template renders off the UI thread (within its budget): the screen stays live.
+            self.generating = True  # one turn at a time, also while its template renders
+            self._stop_event = threading.Event()  # set by clearing the chat (or Esc): the turn is dropped
+            self._update_subtitle()
+            self.render_prompt(chat.messages + [{"role": "user", "content": event.text}], self._stop_event)
+
+    @work(thread=True, exclusive=True, group="template", exit_on_error=False)
+    def render_prompt(self, messages: list[dict], cleared: threading.Event) -> None:
+        """Render the chat template for the new turn; a template that fails is a notification."""
+        try:
+            prompt = self.engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+        except Exception as exc:  # a template that fails or runs past its budget must not take the app down
+            self._call_ui(self._template_failed, one_line(exc))
+            return
+        self._call_ui(self._begin_chat_turn, messages[-1], prompt, cleared)
+
+    def _template_failed(self, message: str) -> None:
+        self.generating = False
+        self._update_subtitle()
+        self.notify(message, title="Chat template", severity="error")
+
+    def _begin_chat_turn(self, message: dict, prompt: str, cleared: threading.Event) -> None:
+        if cleared.is_set():  # the chat was cleared (or Esc pressed) while the template rendered
+            self.generating = False
+            self._update_subtitle()
+            return
+        chat = self.query_one(ChatPane)
+        chat.messages.append(message)
+        chat.add("user", message["content"])
+        self._begin_reply(prompt, chat.add("assistant"))
+
+    def _begin_reply(self, prompt: str, reply: ChatMessage) -> None:
+        chat = self.query_one(ChatPane)
         reply.add_class("-streaming")
         self.generating = True
         self._stop_event = threading.Event()
