@@ -92,9 +92,9 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
             output.nodes = [self._counted("budget_output", nodes.Const(n.data) if isinstance(n, nodes.TemplateData) else n)
                             for n in output.nodes]
         for parent in list(tree.find_all(nodes.Node)):
-            if isinstance(parent, nodes.FilterBlock):
-                continue
             for field in parent.fields:
+                if field == "filter" and isinstance(parent, (nodes.FilterBlock, nodes.AssignBlock)):
+                    continue  # a block's filter is applied by the block, not an expression
                 child = getattr(parent, field, None)
                 if isinstance(child, (nodes.Concat, nodes.Filter)):
                     setattr(parent, field, self._counted("budget_size", child))

@@ -201,6 +201,12 @@ GOOD_TEMPLATES = [
     "{{ '{}:{:>4}'.format(m.role|upper, m.content|length) }}{{ m.content.split(' ')|join('_') }}"
     "{{ m.content|replace('a', 'A')|center(20) }}{{ [1, 2, 3]|map('string')|join(',') }}{{ 2 ** 10 }}"
     "{%- endif -%}{%- endfor -%}{{ ns.system * 2 }}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    # Blocks with their own filters, recursive loops, macro defaults, dict items, tojson.
+    "{% set head | upper %}{{ messages[0].role }}{% endset %}{% filter trim %}  {{ head }}  {% endfilter %}"
+    "{% for m in messages recursive %}{{ loop.depth }}{{ m.content|title }}{% endfor %}"
+    "{% macro tag(name='x'|upper) %}<{{ name }}>{% endmacro %}{{ tag() }}{{ tag('y') }}"
+    "{% for k, v in {'a': 1}.items() %}{{ k }}={{ v }}{% else %}none{% endfor %}"
+    "{{ messages|selectattr('role', 'equalto', 'user')|map(attribute='content')|list|tojson }}",
 ]
 CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a cat sat"},
                 {"role": "assistant", "content": "on a mat"}, {"role": "user", "content": "and then?"}]
