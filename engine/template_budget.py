@@ -32,6 +32,9 @@ MAX_CHARS = 4_000_000
 MAX_POWER_BITS = 4096
 """The largest integer `**` may build, in bits."""
 
+MAX_LIPSUM = 1000
+"""The most paragraphs, and words a paragraph, `lipsum` may make."""
+
 WIDTH_FILTERS = ("center", "indent", "wordwrap", "truncate", "batch", "slice", "filesizeformat", "round")
 """Filters whose numeric arguments set a size: none above MAX_CHARS."""
 
@@ -72,6 +75,7 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         self.filters["join"] = self._checked_join(self.filters["join"])
         self.filters["format"] = self._checked_format(self.filters["format"])
         self.globals["range"] = self.budget_range
+        self.globals["lipsum"] = self._checked_lipsum(self.globals["lipsum"])
 
     # -- the render -----------------------------------------------------------
 
@@ -254,6 +258,16 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
 
         return _same_pass_arg(checked, func)
 
+
+    @staticmethod
+    def _checked_lipsum(func):
+        """`lipsum(n, html, min, max)`: at most MAX_LIPSUM paragraphs of at most MAX_LIPSUM words."""
+        def checked(n=5, html=True, min=20, max=100):  # noqa: A002 (jinja's names)
+            if any(isinstance(v, int) and v > MAX_LIPSUM for v in (n, min, max)):
+                raise TemplateBudgetError(f"lipsum over {MAX_LIPSUM:,} paragraphs or words")
+            return func(n, html, min, max)
+
+        return checked
 
     def _checked_join(self, func):
         def checked(*args, **kwargs):

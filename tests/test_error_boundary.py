@@ -163,6 +163,7 @@ BAD_TEMPLATES = {
     "huge power": "{{ 10 ** 100000 }}",
     "huge join": "{{ (['x'] * 1000000)|join('y' * 1000) }}",
     "huge output": "{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}",
+    "endless lipsum": "{{ lipsum(10 ** 6) }}",
 }
 
 
