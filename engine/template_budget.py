@@ -35,7 +35,7 @@ MAX_POWER_BITS = 4096
 MAX_LIPSUM = 1000
 """The most paragraphs, and words a paragraph, `lipsum` may make."""
 
-WIDTH_FILTERS = ("center", "indent", "wordwrap", "truncate", "batch", "slice", "filesizeformat", "round")
+WIDTH_FILTERS = ("center", "indent", "wordwrap", "truncate", "batch", "slice", "filesizeformat", "round", "tojson")
 """Filters whose numeric arguments set a size: none above MAX_CHARS."""
 
 
