@@ -78,6 +78,27 @@ def _as_int(value, name: str, path: Path) -> int:
     return int(value)
 
 
+def _as_float(value, name: str, path: Path, positive: bool = True) -> float:
+    """A finite number (positive where the engine divides or scales by it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")) or (positive and value <= 0):
+        kind = "a finite positive number" if positive else "a finite number"
+        raise ModelError(f"config.json: {name} must be {kind}, got {value!r}", path)
+    return float(value)
+
+
+def _as_bool(value, name: str, path: Path) -> bool:
+    if not isinstance(value, bool):
+        raise ModelError(f"config.json: {name} must be true or false, got {value!r}", path)
+    return value
+
+
+def _token_ids(value, name: str, path: Path) -> list[int]:
+    """`eos_token_id`: one id or a list of ids."""
+    values = value if isinstance(value, list) else [value]
+    return [_as_int(v, name, path) for v in values]
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Parse `model_dir/config.json`; raises ModelError with one line on anything wrong."""
     path = Path(model_dir) / "config.json"
@@ -133,8 +154,11 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None, "mrope"):
         raise ModelError(f"config.json: rope_type {rope_type!r} is not supported", path)
-    rope_theta = float(_get(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0)))
-    partial = float(_get(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 1.0)))
+    rope_theta = _as_float(_get(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0)), "rope_theta", path)
+    partial = _as_float(_get(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 1.0)),
+                        "partial_rotary_factor", path)
+    if partial > 1:
+        raise ModelError(f"config.json: partial_rotary_factor must be at most 1, got {partial!r}", path)
     rotary_dim = int(head_dim * partial)
     rotary_dim -= rotary_dim % 2
 
@@ -151,15 +175,19 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     else:
         layer_types = ["full_attention"] * n_layers
         step = _as_int(_get(cfg, "decoder_sparse_step", default=1), "decoder_sparse_step", path) or 1
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        mlp_only_raw = cfg.get("mlp_only_layers") or []
+        if not isinstance(mlp_only_raw, list):
+            raise ModelError(f"config.json: mlp_only_layers must be a list of layer numbers, got {mlp_only_raw!r}", path)
+        mlp_only = {_as_int(i, "mlp_only_layers", path) for i in mlp_only_raw}
         moe_layers = [(i not in mlp_only) and (i + 1) % step == 0 for i in range(n_layers)]
         shared = 0
-        norm_topk = bool(_get(cfg, "norm_topk_prob", default=False))
-    if len(layer_types) != n_layers or any(t not in ("full_attention", "linear_attention") for t in layer_types):
+        norm_topk = _as_bool(_get(cfg, "norm_topk_prob", default=False), "norm_topk_prob", path)
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers or any(t not in ("full_attention", "linear_attention") for t in layer_types):
         raise ModelError("config.json: layer_types must list full_attention/linear_attention for every layer", path)
 
-    eos = _get(cfg, "eos_token_id", default=[])
-    eos_ids = [eos] if isinstance(eos, int) else [int(e) for e in (eos or [])]
+    eos_ids = _token_ids(_get(cfg, "eos_token_id", default=[]), "eos_token_id", path)
+    bos = _get(cfg, "bos_token_id", default=None)
+    bos_id = None if bos is None else _as_int(bos, "bos_token_id", path)
     return ModelConfig(
         arch=arch,
         model_type=str(model_type),
@@ -175,10 +203,10 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         shared_inter=shared,
         dense_inter=_as_int(_get(cfg, "intermediate_size", default=0), "intermediate_size", path),
         norm_topk_prob=norm_topk,
-        rms_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)),
+        rms_eps=_as_float(_get(cfg, "rms_norm_eps", default=1e-6), "rms_norm_eps", path),
         rope_theta=rope_theta,
         rotary_dim=rotary_dim,
-        tie_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
+        tie_embeddings=_as_bool(_get(cfg, "tie_word_embeddings", default=False), "tie_word_embeddings", path),
         layer_types=list(layer_types),
         moe_layers=moe_layers,
         zero_centred_norm=arch == QWEN3_5_MOE,
@@ -189,6 +217,6 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         lin_v_dim=_as_int(_get(cfg, "linear_value_head_dim", default=0), "linear_value_head_dim", path),
         conv_kernel=_as_int(_get(cfg, "linear_conv_kernel_dim", default=4), "linear_conv_kernel_dim", path),
         eos_token_ids=eos_ids,
-        bos_token_id=_get(cfg, "bos_token_id", default=None),
+        bos_token_id=bos_id,
         is_vl=is_vl,
     )

@@ -25,3 +25,8 @@ class TemplateError(TierlabError):
 
 class FormatError(TierlabError):
     """A heat file, session log or reference file that is malformed."""
+
+
+class SettingError(TierlabError, ValueError):
+    """A setting out of its range (a sampling flag): one line for the user, and still the
+    ValueError that callers checking a value expect."""

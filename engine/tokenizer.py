@@ -1,8 +1,9 @@
 """Text in and out: tokenizer.json through `tokenizers`, chat templates in a sandbox.
 
 A chat template is code shipped with an untrusted checkpoint, so it is
-rendered by jinja2's immutable sandbox; a template that reaches for Python
-internals raises TemplateError (one line) instead of running.
+rendered by jinja2's immutable sandbox with a budget (`template_budget`); a
+template that reaches for Python internals, raises, or runs past its budget
+raises TemplateError (one line naming the template's file) instead.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from pathlib import Path
 
 from jinja2 import TemplateError as JinjaTemplateError
 from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tierlab.engine.errors import ModelError, TemplateError
+from tierlab.engine.template_budget import BudgetedSandbox, TemplateBudgetError
 
 
 def _raise_exception(message: str):
@@ -25,23 +26,37 @@ class ChatTemplate:
     def __init__(self, source: str, origin: Path, special: dict[str, str]) -> None:
         self.origin = origin
         self.special = special
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
+        self.env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True)
+        self.env.globals["raise_exception"] = _raise_exception
         try:
-            self.template = env.from_string(source)
+            self.template = self.env.from_string(self.env.budget_source(source))
         except JinjaTemplateError as exc:
             raise TemplateError(f"chat template does not parse: {exc}", origin) from None
+        except (RecursionError, MemoryError, ValueError, OverflowError) as exc:
+            raise TemplateError(f"chat template does not parse: {type(exc).__name__}", origin) from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special, **extra)
+            return self.env.render_budgeted(self.template, messages=messages,
+                                            add_generation_prompt=add_generation_prompt, **self.special, **extra)
+        except TemplateBudgetError as exc:
+            raise TemplateError(f"chat template refused: it went past its budget ({exc})", self.origin) from None
+        except RecursionError:
+            raise TemplateError("chat template refused: it recurses too deeply", self.origin) from None
+        except MemoryError:
+            raise TemplateError("chat template refused: it ran out of memory", self.origin) from None
         except SecurityError as exc:
             raise TemplateError(f"chat template tried to leave the sandbox ({exc})", self.origin) from None
         except TemplateError as exc:
             raise TemplateError(str(exc), self.origin) from None
-        except (JinjaTemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
-            raise TemplateError(f"chat template failed: {exc}", self.origin) from None
+        except (JinjaTemplateError, TypeError, ValueError, ArithmeticError, AttributeError, KeyError,
+                IndexError) as exc:
+            raise TemplateError(f"chat template failed: {type(exc).__name__}: {_first_line(exc)}", self.origin) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _token_text(value) -> str | None:

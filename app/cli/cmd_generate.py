@@ -14,6 +14,7 @@ from tierlab.app.lab.knob_script import ScriptedRun
 from tierlab.engine.errors import ModelError
 from tierlab.engine.meters import METER_BY_KEY, meters_json
 from tierlab.engine.routing import format_footer
+from tierlab.engine.sampling import check_settings
 from tierlab.engine.session import EngineLog
 
 
@@ -33,6 +34,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    check_settings(args.temperature, args.top_p, args.seed, names=("--temperature", "--top-p", "--seed"))
     steps = knob_steps_from_args(args)
     check_log_target(args)
     with sigterm_exits():

@@ -23,8 +23,7 @@ from tierlab.app.cli import (
     cmd_make_synthetic,
     cmd_ref,
 )
-from tierlab.engine.errors import TierlabError
-from tierlab.engine.knobs import KnobError
+from tierlab.app.cli.errors import run_guarded
 
 #: Every command, in the order `tierlab --help` lists them.
 COMMANDS = (
@@ -58,16 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(with_default_command(argv))
-    try:
-        return int(args.run(args) or 0)
-    except (TierlabError, KnobError) as exc:
-        print(f"tierlab: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("tierlab: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
+    return run_guarded(lambda: int(args.run(args) or 0))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from tierlab.app.lab.knob_script import KnobStep
 from tierlab.engine.knobs import SPEC_BY_NAME, Knobs, KnobValues
 from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
+from tierlab.engine.tiers.opencl_device import parse_budget
 
 ENGINE_SETTINGS = ("CACHE", "TIER", "TIER_GB", "TIER_DEVICE", "HEAT_FILE", "TIER_NO_WARMSTART")
 BAND_KEYS = tuple(key for key, _ in SIZE_KEYS)  # the oracle band's LRU figures in each row
@@ -94,8 +95,25 @@ def parse_row(text: str, default_engine: dict[str, str]) -> RowSpec:
             engine[name] = value
         else:
             raise TierlabError(f"row {text!r}: unknown setting {name}")
+    _check_engine_settings(text, engine)
     knobs = Knobs.from_env(knob_env).snapshot()
     return RowSpec(text.strip() or "off", knobs, tuple(sorted(engine.items())))
+
+
+def _check_engine_settings(text: str, engine: dict[str, str]) -> None:
+    """Refuse a row's unreadable engine settings before any row runs."""
+    cache = engine.get("CACHE")
+    if cache:
+        try:
+            slots = int(cache)
+        except ValueError:
+            slots = 0
+        if slots < 1:
+            raise TierlabError(f"row {text!r}: CACHE={cache} must be a positive whole number of slots")
+    try:
+        parse_budget(engine.get("TIER_GB"))
+    except ValueError as exc:
+        raise TierlabError(f"row {text!r}: {exc}") from None
 
 
 def _open(model_dir: Path, settings: tuple[tuple[str, str], ...]):

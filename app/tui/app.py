@@ -24,6 +24,7 @@ from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widgets import Button, Footer
 
+from tierlab.app.cli.errors import error_line
 from tierlab.app.tui.chat import ChatMessage, ChatPane
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
@@ -58,9 +59,9 @@ def warm_oracle_kernels() -> None:
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as the single line a notification can show."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    """An exception as the single line a notification can show, classified as the command
+    line classifies it (bad input names the file or value; anything else is an internal error)."""
+    return error_line(exc)
 
 
 class TierlabApp(App):
@@ -190,11 +191,8 @@ class TierlabApp(App):
                 engine = options.open(progress=self._loading_progress)
                 self._call_ui(self._show_loading, "compiling kernels · the oracle's replays")
                 warm_oracle_kernels()
-        except TierlabError as exc:
+        except Exception as exc:  # bad input, or an engine bug: either way the app stays up
             self._call_ui(self._engine_failed, one_line(exc))
-            return
-        except Exception as exc:  # an engine bug must not take the app down
-            self._call_ui(self._engine_failed, f"{type(exc).__name__}: {one_line(exc)}")
             return
         self._call_ui(self._engine_ready, engine)
 
@@ -333,19 +331,42 @@ class TierlabApp(App):
             self.notify("still answering; Esc stops it", severity="warning")
             return
         if chat.raw_mode:
-            prompt = event.text
             chat.add("user", event.text)
-            reply = chat.add("raw")
+            self._begin_reply(event.text, chat.add("raw"))
         else:
-            messages = chat.messages + [{"role": "user", "content": event.text}]
-            try:
-                prompt = tokenizer.render_chat(messages, add_generation_prompt=True)
-            except TierlabError as exc:
-                self.notify(one_line(exc), title="Chat template", severity="error")
-                return
-            chat.messages.append(messages[-1])
-            chat.add("user", event.text)
-            reply = chat.add("assistant")
+            # The template renders off the UI thread (within its budget): the screen stays live.
+            self.generating = True  # one turn at a time, also while its template renders
+            self._stop_event = threading.Event()  # set by clearing the chat (or Esc): the turn is dropped
+            self._update_subtitle()
+            self.render_prompt(chat.messages + [{"role": "user", "content": event.text}], self._stop_event)
+
+    @work(thread=True, exclusive=True, group="template", exit_on_error=False)
+    def render_prompt(self, messages: list[dict], cleared: threading.Event) -> None:
+        """Render the chat template for the new turn; a template that fails is a notification."""
+        try:
+            prompt = self.engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+        except Exception as exc:  # a template that fails or runs past its budget must not take the app down
+            self._call_ui(self._template_failed, one_line(exc))
+            return
+        self._call_ui(self._begin_chat_turn, messages[-1], prompt, cleared)
+
+    def _template_failed(self, message: str) -> None:
+        self.generating = False
+        self._update_subtitle()
+        self.notify(message, title="Chat template", severity="error")
+
+    def _begin_chat_turn(self, message: dict, prompt: str, cleared: threading.Event) -> None:
+        if cleared.is_set():  # the chat was cleared (or Esc pressed) while the template rendered
+            self.generating = False
+            self._update_subtitle()
+            return
+        chat = self.query_one(ChatPane)
+        chat.messages.append(message)
+        chat.add("user", message["content"])
+        self._begin_reply(prompt, chat.add("assistant"))
+
+    def _begin_reply(self, prompt: str, reply: ChatMessage) -> None:
+        chat = self.query_one(ChatPane)
         reply.add_class("-streaming")
         self.generating = True
         self._stop_event = threading.Event()
@@ -380,10 +401,8 @@ class TierlabApp(App):
                 if now - last_shown >= STREAM_INTERVAL:
                     last_shown = now
                     self._pending_text = (reply, tokenizer.decode(produced, skip_special=True))
-        except TierlabError as exc:
+        except Exception as exc:  # bad data or an engine bug ends this reply, not the app
             error = one_line(exc)
-        except Exception as exc:  # an engine bug ends this reply, not the app
-            error = f"{type(exc).__name__}: {one_line(exc)}"
         text = tokenizer.decode(produced, skip_special=True) if produced else ""
         self._engine_idle.set()
         self._call_ui(self._finish_reply, reply, text, len(produced), stop.is_set(), error)
@@ -482,7 +501,7 @@ class TierlabApp(App):
         old = self.engine.cache_slots()
         try:
             self.engine.set_cache_slots(slots)
-        except (TierlabError, ValueError) as exc:
+        except Exception as exc:  # a size the engine refuses, or an engine bug: a notice
             self._cache_applied(old, slots, one_line(exc))
         else:
             self._cache_applied(old, slots, None)
@@ -501,10 +520,8 @@ class TierlabApp(App):
             error = None
             try:
                 engine.set_cache_slots(slots)
-            except (TierlabError, ValueError) as exc:
+            except Exception as exc:  # a size the engine refuses, or an engine bug: a notice
                 error = one_line(exc)
-            except Exception as exc:  # an engine bug must not take the app down
-                error = f"{type(exc).__name__}: {one_line(exc)}"
             with self._cache_lock:
                 if self._cache_wanted == slots:
                     self._cache_wanted = None
@@ -578,7 +595,7 @@ class TierlabApp(App):
             return None
         try:
             written = save_session_heat(self.engine, path, self.sessions_dir)
-        except (TierlabError, OSError) as exc:
+        except Exception as exc:  # a file that cannot be written: a notice
             self.notify(one_line(exc), title="Save heat", severity="error")
             return None
         self.notify(str(written), title="Heat profile saved", timeout=4)
@@ -595,14 +612,14 @@ class TierlabApp(App):
             recorder, self.recorder = self.recorder, None
             try:
                 path = recorder.stop()
-            except (TierlabError, OSError) as exc:
+            except Exception as exc:  # a file that cannot be written: a notice
                 self.notify(one_line(exc), title="Recording", severity="error")
             else:
                 self.notify(str(path), title="Session log saved", timeout=4)
         else:
             try:
                 self.recorder = start_recording(self.engine, self.sessions_dir)
-            except (TierlabError, OSError) as exc:
+            except Exception as exc:  # a file that cannot be written: a notice
                 self.notify(one_line(exc), title="Recording", severity="error")
                 return
             self.notify(str(self.recorder.path), title="Recording", timeout=3)

@@ -6,6 +6,8 @@ a second PoCL platform ahead of the pip one, so indices move between hosts.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 GiB = 2**30
@@ -81,7 +83,7 @@ def auto_bytes(global_mem: int, is_cpu: bool) -> int:
 
 
 def parse_budget(budget: str | float | None) -> float | None:
-    """None for auto, else GiB as a positive float; ValueError with one line otherwise."""
+    """None for auto, else GiB as a finite positive float; ValueError with one line otherwise."""
     if budget is None:
         return None
     if isinstance(budget, str):
@@ -94,8 +96,8 @@ def parse_budget(budget: str | float | None) -> float | None:
             raise ValueError(f"TIER_GB: cannot read {budget!r}; use 'auto' or a number of GiB") from None
     else:
         value = float(budget)
-    if not value > 0:
-        raise ValueError(f"TIER_GB: {budget!r} must be positive (or 'auto')")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"TIER_GB: {budget!r} must be a finite positive number of GiB (or 'auto')")
     return value
 
 
