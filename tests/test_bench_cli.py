@@ -58,3 +58,22 @@ def test_bench_decode_json_on_a_dense_quantised_container(tmp_path):
     assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_gbs"] * 1e9 / wb["total"])
     assert 0.0 <= r["ram_hit"] <= 100.0 and r["disk_mb_per_token"] >= 0  # percent
     assert set(r["ms_per_token"]) >= {"attention", "deltanet", "router", "fetch", "compute", "lm_head"}
+
+
+def test_bench_decode_is_warm_by_default_and_cold_on_request():
+    """Warm slots (filled by other traffic) read fewer experts from disk than empty ones; with every
+    expert fitting, nothing is evicted, so warm misses can only be fewer."""
+    from tierlab import ASSETS_DIR
+    from tierlab.app.lab.bench_decode import run_decode_bench
+    from tierlab.engine.model import load_engine
+
+    engine = load_engine(ASSETS_DIR / "tiny-moe-8x2")
+    try:
+        warm = run_decode_bench(engine, prompt_tokens=8, decode_tokens=8, bandwidth_gbs=1.0)
+        cold = run_decode_bench(engine, prompt_tokens=8, decode_tokens=8, bandwidth_gbs=1.0, cold=True)
+    finally:
+        engine.close()
+    assert (warm.cold, cold.cold) == (False, True)
+    assert cold.disk_mb_per_token > 0
+    assert warm.disk_mb_per_token < cold.disk_mb_per_token
+    assert warm.ram_hit > cold.ram_hit

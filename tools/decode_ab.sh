@@ -6,7 +6,14 @@
 set -u
 before=$1 model=$2 rounds=${3:-5}
 py=${PYTHON:-.venv/bin/python}
-run() { env ${1:+PYTHONPATH=$1} "$py" -m tierlab bench decode --model "$model" --tokens 32 --prompt-tokens 32 --json 2>/dev/null | tail -1; }
+# Empty RAM slots in both trees: trees whose `bench decode` knows --drop-page-cache are warm by
+# default and need --cold; older trees started cold without it.
+cold_flag() { env ${1:+PYTHONPATH=$1} "$py" -m tierlab bench decode --help 2>/dev/null | grep -q -- --drop-page-cache && echo --cold; }
+flag_before=$(cold_flag "$before") flag_after=$(cold_flag "")
+run() {
+  local flag=$flag_after; [ -n "$1" ] && flag=$flag_before
+  env ${1:+PYTHONPATH=$1} "$py" -m tierlab bench decode --model "$model" --tokens 32 --prompt-tokens 32 $flag --json 2>/dev/null | tail -1
+}
 run "$before" >/dev/null; run "" >/dev/null  # compile and warm both
 for _ in $(seq "$rounds"); do
   echo "before $(run "$before")"

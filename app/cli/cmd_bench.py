@@ -50,7 +50,10 @@ def _add_decode(sub) -> None:
     add_model_args(p)
     p.add_argument("--tokens", type=int, default=32, help="decode tokens (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="random prompt tokens (default 32)")
-    p.add_argument("--cold", action="store_true", help="drop the page cache before the run (root only)")
+    p.add_argument("--cold", action="store_true",
+                   help="start with empty RAM slots (default: slots warmed by other traffic, as in a chat)")
+    p.add_argument("--drop-page-cache", action="store_true",
+                   help="drop the page cache before the measured run (root only)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.set_defaults(bench_run=_run_decode)
 
@@ -61,11 +64,12 @@ def _run_decode(args: argparse.Namespace) -> int:
 
     engine = open_engine(args, with_tokenizer=False)
     try:
-        report = run_decode_bench(engine, args.prompt_tokens, args.tokens, cold=args.cold)
+        report = run_decode_bench(engine, args.prompt_tokens, args.tokens, cold=args.cold,
+                                  drop_cache=args.drop_page_cache)
     finally:
         engine.close()
     print_notices(engine)
-    if args.cold and not report.cold:
+    if args.drop_page_cache and not report.page_cache_dropped:
         print("tierlab: could not drop the page cache (needs root); the run is warm", file=sys.stderr)
     print(json.dumps(report.to_json()) if args.json else format_decode_report(report))
     return 0

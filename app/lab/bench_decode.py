@@ -4,9 +4,14 @@ Decode is bound by reading weights: every token reads the dense weights of
 every layer, the K chosen experts of every MoE layer, the shared experts and
 the LM head. Dividing the memory bandwidth measured in the same run by
 those bytes gives the roofline tok/s; the engine's decode tok/s is reported
-as a share of it. With `--cache` below the expert count, misses come from
-disk: `--cold` drops the page cache first (root only), so the fetch time is
-that of a real disk rather than of memory.
+as a share of it.
+
+By default the run is warm, as in a chat: other traffic (a different random
+prompt and its decode) has filled the RAM slots before the measured prompt
+and decode, so the figure is what a session sees after its first turn.
+`--cold` empties the slots first, so decode also pays for copying in the
+experts the prompt did not touch; `--drop-page-cache` (root only) makes those
+copies come from the disk rather than from the page cache.
 """
 
 from __future__ import annotations
@@ -77,25 +82,38 @@ class DecodeReport:
     peak_rss_mb: float = 0.0
     cold: bool = False
     dense_kind: str = ""
+    page_cache_dropped: bool = False
 
     def to_json(self) -> dict:
         return dict(vars(self))
 
 
+def _greedy(engine: EngineSurface, prompt: list[int], steps: int) -> None:
+    logits = engine.prefill(prompt)
+    for _ in range(steps):
+        logits = engine.step(int(np.argmax(logits)))
+
+
 def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_tokens: int = 32, cold: bool = False,
-                     seed: int = 0, bandwidth_gbs: float | None = None) -> DecodeReport:
+                     seed: int = 0, bandwidth_gbs: float | None = None,
+                     drop_cache: bool = False) -> DecodeReport:
+    """Prefill a random prompt and decode greedily; warm slots unless `cold`."""
     rng = np.random.default_rng(seed)
     vocab = engine.config.vocab_size
     prompt = [int(t) for t in rng.integers(0, vocab, prompt_tokens)]
-    # warm-up: compile every kernel on a short run, then start cold
-    logits = engine.prefill(prompt[:4])
-    engine.step(int(np.argmax(logits)))
+    # compile every kernel on a short run
+    _greedy(engine, prompt[:4], 1)
     if bandwidth_gbs is None:
         from tierlab.app.lab.bench_kernels import measure_bandwidth
 
         bandwidth_gbs = measure_bandwidth(256 * 2**20, 5)[0]
     engine.cold_start()
-    dropped = drop_page_cache() if cold else False
+    if not cold:
+        # another conversation's traffic fills the slots, as earlier turns of a chat do
+        other = [int(t) for t in np.random.default_rng(seed + 1).integers(0, vocab, prompt_tokens)]
+        _greedy(engine, other, decode_tokens)
+        engine.reset_meters()
+    dropped = drop_page_cache() if drop_cache else False
     t0 = time.perf_counter()
     logits = engine.prefill(prompt)
     prefill_s = time.perf_counter() - t0
@@ -116,8 +134,8 @@ def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_toke
         ram_hit=meters_json(engine.meters())["ram_hit"] or 0.0,
         disk_mb_per_token=misses * stats.blob_nbytes / decode_tokens / 2**20,
         weight_bytes=wb, bandwidth_gbs=bandwidth_gbs, roofline_tok_s=bandwidth_gbs * 1e9 / wb["total"],
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, cold=dropped,
-        dense_kind=dense_kind(engine),
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, cold=cold,
+        dense_kind=dense_kind(engine), page_cache_dropped=dropped,
     )
 
 
@@ -125,8 +143,8 @@ def format_decode_report(r: DecodeReport) -> str:
     ms = r.ms_per_token
     share = r.decode_tok_s / r.roofline_tok_s if r.roofline_tok_s else 0.0
     lines = [
-        f"model {r.model} ({r.kind} experts, {r.dense_kind} dense), cache {r.cache_slots}/{r.n_experts} slots per layer"
-        + (" , page cache dropped" if r.cold else ""),
+        f"model {r.model} ({r.kind} experts, {r.dense_kind} dense), cache {r.cache_slots}/{r.n_experts} slots per layer, "
+        + ("cold slots" if r.cold else "warm slots") + (", page cache dropped" if r.page_cache_dropped else ""),
         f"prefill {r.prefill_tok_s:.1f} tok/s ({r.prompt_tokens} tokens) | decode {r.decode_tok_s:.2f} tok/s "
         f"({r.decode_tokens} tokens)",
         f"weights read per token {r.weight_bytes['total'] / 2**20:.1f} MiB (dense {r.weight_bytes['dense'] / 2**20:.1f}, "
