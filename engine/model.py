@@ -321,8 +321,15 @@ class Engine:
         return self.forward([int(token_id)], phase="decode")
 
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_event: threading.Event | None = None, eos_ids=None) -> Iterator[int]:
-        """Yield new token ids; greedy at temperature 0; stops at EOS, max tokens or stop_event."""
+                 seed: int = 0, stop_event: threading.Event | None = None, eos_ids=None,
+                 conversation=None) -> Iterator[int]:
+        """Yield new token ids; greedy at temperature 0; stops at EOS, max tokens or stop_event.
+        With a `conversation` (engine/conversation.py) the prompt continues its sequence state:
+        only what the state does not hold is prefilled."""
+        if conversation is not None:
+            yield from conversation.generate(prompt_ids, max_new_tokens, temperature, top_p, seed, stop_event,
+                                             eos_ids)
+            return
         logits = self.prefill(prompt_ids)
         yield from self.continue_from(logits, max_new_tokens, temperature, top_p, seed, stop_event, eos_ids)
 
