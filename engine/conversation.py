@@ -5,9 +5,12 @@ attention KV caches and DeltaNet states of the turns so far) is kept for the
 longest common prefix of token ids, and only the rest is prefilled. A KV
 cache cuts back to any prefix. A DeltaNet state cannot be rolled back, so
 the conversation keeps copies of the sequence state at each turn's prompt
-end and generation end: when a template renders an earlier turn differently
-(Qwen3 drops a past reply's thinking), the latest copy at or before the
-common prefix is restored and the prefill starts there. Nothing in common, or
+end and generation end, and before a prompt's tail that the template does not
+render again once the reply is in the history (Qwen3's empty
+`<think></think>` with thinking off; `Tokenizer.dropped_tails`): when a
+template renders an earlier turn differently (Qwen3 also drops a past reply's
+thinking), the latest copy at or before the common prefix is restored and the
+prefill starts there. Nothing in common, or
 a cleared conversation (`forget`), is a full prefill.
 """
 
@@ -20,8 +23,9 @@ import numpy as np
 
 from tierlab.engine.surface import EngineSurface
 
-KEEP_SNAPSHOTS = 2
-"""Copies kept: the last turn's prompt end and generation end (each one DeltaNet state)."""
+KEEP_SNAPSHOTS = 3
+"""Copies kept: the last turn's prompt end, generation end, and the point before a tail
+of its prompt that the next turn does not repeat (each copy one set of DeltaNet states)."""
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -39,6 +43,8 @@ class Conversation:
         self.snapshots: list = []
         self.reused = 0  # tokens of the last prompt taken from the state
         self.prefilled = 0  # tokens of the last prompt fed
+        tokenizer = engine.tokenizer
+        self.tails = tokenizer.dropped_tails() if tokenizer is not None else []
 
     def forget(self) -> None:
         """Clear the conversation: the next turn is a full prefill."""
@@ -55,12 +61,20 @@ class Conversation:
         start = self._resume(ids)
         if start == 0:
             self.snapshots = []
-            logits = engine.prefill(ids)
-        else:
-            logits = engine.forward(ids[start:], phase="prefill")
+            engine.reset()
+        at = start
+        for mark in self._marks(ids, start):  # a snapshot before a tail the next turn will not repeat
+            engine.forward(ids[at:mark], phase="prefill")
+            self._remember()
+            at = mark
+        logits = engine.forward(ids[at:], phase="prefill")
         self.reused, self.prefilled = start, len(ids) - start
         self._remember()
         return logits
+
+    def _marks(self, ids: list[int], start: int) -> list[int]:
+        marks = {len(ids) - len(tail) for tail in self.tails if ids[len(ids) - len(tail):] == tail}
+        return sorted(m for m in marks if start < m < len(ids))
 
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_event: threading.Event | None = None, eos_ids=None) -> Iterator[int]:

@@ -58,6 +58,10 @@ THINKING_PROBE = [{"role": "user", "content": "?"}]
 """The conversation rendered to find out what a template does with `enable_thinking`."""
 
 
+MAX_TAIL = 16
+"""A generation prompt's tail longer than this is not a thinking marker: no snapshot for it."""
+
+
 def thinking_context(enable_thinking: bool | None) -> dict:
     """The template variables for a thinking setting: None leaves `enable_thinking` undefined,
     so the template's own default holds."""
@@ -142,6 +146,34 @@ class Tokenizer:
         if not hasattr(self, "_thinking_default"):
             self._thinking_default = self._probe_thinking()
         return self._thinking_default
+
+    def dropped_tails(self) -> list[list[int]]:
+        """Token runs that end a generation prompt but that the template does not render
+        again once the reply is in the history (Qwen3's empty `<think></think>` with
+        thinking off), one per thinking setting that has one: a chat keeps a state
+        snapshot before them, where the next turn's ids part from this turn's."""
+        if not hasattr(self, "_dropped_tails"):
+            self._dropped_tails = self._probe_tails()
+        return self._dropped_tails
+
+    def _probe_tails(self) -> list[list[int]]:
+        if self.chat_template is None:
+            return []
+        tails: list[list[int]] = []
+        reply = THINKING_PROBE + [{"role": "assistant", "content": "!"}]
+        for setting in (None, True, False):
+            try:
+                asked = self.encode(self.render_chat(THINKING_PROBE, True, setting))
+                answered = self.encode(self.render_chat(reply, False, setting))
+            except TemplateError:
+                return []
+            common = 0
+            while common < min(len(asked), len(answered)) and asked[common] == answered[common]:
+                common += 1
+            tail = asked[common:]
+            if 0 < len(tail) <= MAX_TAIL and tail not in tails:
+                tails.append(tail)
+        return tails
 
     def _probe_thinking(self) -> bool | None:
         if self.chat_template is None:

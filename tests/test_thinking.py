@@ -31,6 +31,8 @@ def test_the_rendered_ids_follow_enable_thinking(thinking_model):
     assert unset == on != off
     assert off[:len(on)] == on and tok.decode(off[len(on):]) == "<think>\n\n</think>\n\n"
     assert tok.thinking_default() is True
+    assert [tok.decode(tail) for tail in tok.dropped_tails()] == ["<think>\n\n</think>\n\n"]
+    assert Tokenizer.from_folder(default_model()).dropped_tails() == []
 
 
 def test_the_default_is_the_templates_own(tmp_path):
