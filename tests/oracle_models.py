@@ -157,6 +157,7 @@ def build_release_model(vocab: int, seed: int = 4):
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
     text = qwen3_5_config(vocab=vocab).to_dict()
+    text["moe_intermediate_size"] = 64  # a multiple of 64, so `convert` can quantise it too
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                "mrope_section": [1, 1, 0], "mrope_interleaved": True}
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
