@@ -128,3 +128,21 @@ def test_a_snapshot_of_another_branch_does_not_restore():
     assert engine.sequence_ids() == [5, 6, 9, 10]
     assert engine.can_restore(at_two) and not engine.can_restore(at_four)
     engine.close()
+
+
+def test_the_chat_command_reuses_and_answers_as_a_reprefill_does():
+    import re
+    import subprocess
+
+    from conftest import PYTHON
+
+    turns = "Once upon a time\nWhat happened next?\nAnd then?\n"
+    runs = [subprocess.run([PYTHON, "-m", "tierlab", "chat", "-n", "12", "--stats", *extra], input=turns,
+                           capture_output=True, text=True, timeout=300) for extra in ([], ["--reprefill"])]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    reuse, full = runs
+    assert reuse.stdout == full.stdout and reuse.stdout.strip()
+    kept = [int(k) for k in re.findall(r"reused (\d+)", reuse.stderr)]
+    assert len(kept) == 3 and kept[0] == 0 and kept[1] > 0 and kept[2] > kept[1]
+    assert re.findall(r"reused (\d+)", full.stderr) == ["0", "0", "0"]
