@@ -89,6 +89,7 @@ class Engine:
         self._lock = threading.RLock()
         self.pilot: Pilot | None = None
         self._hot_pinned = False
+        self.sequence_serial = 0
         self.reset()
         self.store.attach_tier(tier, self.heat_log.plan_file)
 
@@ -129,6 +130,46 @@ class Engine:
         with self._lock:
             self.states = [layer.mixer.new_state() for layer in self.layers]
             self.pos = 0
+            self.fed: list[int] = []  # the ids the sequence state holds, in order
+            self.sequence_serial += 1  # snapshots of an earlier sequence no longer restore
+
+    # -- coming back to a prefix of the sequence ----------------------------------
+    def sequence_ids(self) -> list[int]:
+        """The token ids the sequence state holds (a copy)."""
+        return list(self.fed)
+
+    def rewinds_anywhere(self) -> bool:
+        """True when every layer's state can be cut back to any prefix (attention only)."""
+        return all(state.rewinds_anywhere for state in self.states)
+
+    def rewind(self, pos: int) -> None:
+        """Keep the first `pos` tokens of the sequence; only when `rewinds_anywhere()`."""
+        with self._lock:
+            if not (0 <= pos <= self.pos) or not self.rewinds_anywhere():
+                raise ValueError(f"cannot rewind to {pos} (at {self.pos})")
+            self.pos = pos
+            del self.fed[pos:]
+
+    def save_state(self) -> "SequenceSnapshot":
+        """The sequence state at this position, to come back to with `restore_state`."""
+        with self._lock:
+            return SequenceSnapshot(self.sequence_serial, tuple(self.fed), [s.snapshot() for s in self.states])
+
+    def can_restore(self, snapshot: "SequenceSnapshot") -> bool:
+        """True when the sequence still starts with the snapshot's tokens, computed the same way."""
+        n = snapshot.pos
+        return (snapshot.serial == self.sequence_serial and n <= self.pos
+                and tuple(self.fed[:n]) == snapshot.ids)
+
+    def restore_state(self, snapshot: "SequenceSnapshot") -> None:
+        """Go back to a snapshot of this sequence: its DeltaNet states, its length."""
+        with self._lock:
+            if not self.can_restore(snapshot):
+                raise ValueError("the snapshot is not a prefix of this sequence")
+            for state, saved in zip(self.states, snapshot.states):
+                state.restore(saved)
+            self.pos = snapshot.pos
+            del self.fed[snapshot.pos:]
 
     def reset_meters(self) -> None:
         self.store.reset_counters()
@@ -241,6 +282,7 @@ class Engine:
         self.tokens_timed += T
         start = self.pos
         self.pos += T
+        self.fed.extend(ids.tolist())
         self._publish(ids, start, phase, routes_by_layer, timers, T, ctx.knob_seq)
         knobs = ctx.knobs
         if knobs.HOT and not self._hot_pinned and self.pos >= knobs.WARMUP:
@@ -279,11 +321,26 @@ class Engine:
         return self.forward([int(token_id)], phase="decode")
 
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop_event: threading.Event | None = None, eos_ids=None) -> Iterator[int]:
-        """Yield new token ids; greedy at temperature 0; stops at EOS, max tokens or stop_event."""
+                 seed: int = 0, stop_event: threading.Event | None = None, eos_ids=None,
+                 conversation=None) -> Iterator[int]:
+        """Yield new token ids; greedy at temperature 0; stops at EOS, max tokens or stop_event.
+        With a `conversation` (engine/conversation.py) the prompt continues its sequence state:
+        only what the state does not hold is prefilled."""
+        if conversation is not None:
+            yield from conversation.generate(prompt_ids, max_new_tokens, temperature, top_p, seed, stop_event,
+                                             eos_ids)
+            return
+        logits = self.prefill(prompt_ids)
+        yield from self.continue_from(logits, max_new_tokens, temperature, top_p, seed, stop_event, eos_ids)
+
+    def continue_from(self, logits: np.ndarray, max_new_tokens: int = 64, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int = 0, stop_event: threading.Event | None = None,
+                      eos_ids=None) -> Iterator[int]:
+        """Yield new token ids after the sequence so far, whose next-token logits are `logits`.
+        Each token is fed before the next is picked, the last one too when max_new_tokens
+        ends the reply; an EOS or a stop is not fed."""
         sampler = Sampler(temperature, top_p, seed)
         eos = set(self.eos_ids() if eos_ids is None else eos_ids)
-        logits = self.prefill(prompt_ids)
         for _ in range(max_new_tokens):
             if stop_event is not None and stop_event.is_set():
                 return
@@ -332,6 +389,20 @@ class Engine:
         return {"dense": sum(int(m.nbytes) for m in self.dense_matrices()),
                 "embed_row": int(self.embed.nbytes // max(self.config.vocab_size, 1)),
                 "lm_head": int(self.lm_head.nbytes)}
+
+
+class SequenceSnapshot:
+    """A point of one sequence to come back to: its tokens and the copies of the states
+    that cannot rewind (DeltaNet); attention layers keep nothing."""
+
+    def __init__(self, serial: int, ids: tuple[int, ...], states: list) -> None:
+        self.serial = serial
+        self.ids = ids
+        self.states = states
+
+    @property
+    def pos(self) -> int:
+        return len(self.ids)
 
 
 class _BorrowedSource:

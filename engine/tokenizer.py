@@ -54,6 +54,20 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {_first_line(exc)}", self.origin) from None
 
 
+THINKING_PROBE = [{"role": "user", "content": "?"}]
+"""The conversation rendered to find out what a template does with `enable_thinking`."""
+
+
+MAX_TAIL = 16
+"""A generation prompt's tail longer than this is not a thinking marker: no snapshot for it."""
+
+
+def thinking_context(enable_thinking: bool | None) -> dict:
+    """The template variables for a thinking setting: None leaves `enable_thinking` undefined,
+    so the template's own default holds."""
+    return {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else ""
@@ -117,10 +131,60 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None) -> str:
+        """The conversation through the chat template; `enable_thinking` (Qwen3.x) goes into
+        the template's context when set, else the template's default holds."""
         if self.chat_template is None:
             raise TemplateError("this model has no chat template (use raw completion)", self.path.parent)
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         **thinking_context(enable_thinking))
+
+    def thinking_default(self) -> bool | None:
+        """What the template does when `enable_thinking` is not given: True (thinks) or False;
+        None when the template ignores the setting (or has none, or fails on a probe)."""
+        if not hasattr(self, "_thinking_default"):
+            self._thinking_default = self._probe_thinking()
+        return self._thinking_default
+
+    def dropped_tails(self) -> list[list[int]]:
+        """Token runs that end a generation prompt but that the template does not render
+        again once the reply is in the history (Qwen3's empty `<think></think>` with
+        thinking off), one per thinking setting that has one: a chat keeps a state
+        snapshot before them, where the next turn's ids part from this turn's."""
+        if not hasattr(self, "_dropped_tails"):
+            self._dropped_tails = self._probe_tails()
+        return self._dropped_tails
+
+    def _probe_tails(self) -> list[list[int]]:
+        if self.chat_template is None:
+            return []
+        tails: list[list[int]] = []
+        reply = THINKING_PROBE + [{"role": "assistant", "content": "!"}]
+        for setting in (None, True, False):
+            try:
+                asked = self.encode(self.render_chat(THINKING_PROBE, True, setting))
+                answered = self.encode(self.render_chat(reply, False, setting))
+            except TemplateError:
+                return []
+            common = 0
+            while common < min(len(asked), len(answered)) and asked[common] == answered[common]:
+                common += 1
+            tail = asked[common:]
+            if 0 < len(tail) <= MAX_TAIL and tail not in tails:
+                tails.append(tail)
+        return tails
+
+    def _probe_thinking(self) -> bool | None:
+        if self.chat_template is None:
+            return None
+        try:
+            unset, on, off = (self.render_chat(THINKING_PROBE, enable_thinking=v) for v in (None, True, False))
+        except TemplateError:
+            return None
+        if on == off:
+            return None
+        return unset != off
 
     @property
     def vocab_size(self) -> int:

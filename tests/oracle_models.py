@@ -136,3 +136,95 @@ def hf_greedy(model, prompt, n) -> list[int]:
     for _ in range(n):
         ids.append(int(np.argmax(hf_logits(model, ids)[-1])))
     return ids
+
+
+RELEASE_SHARDS = 2
+MTP_TENSORS = {  # the release's multi-token-prediction head: present in the files, unused by tierlab
+    "mtp.fc.weight": lambda H: (H, 2 * H),
+    "mtp.pre_fc_norm_embedding.weight": lambda H: (H,),
+    "mtp.pre_fc_norm_hidden.weight": lambda H: (H,),
+    "mtp.norm.weight": lambda H: (H,),
+    "mtp.layers.0.input_layernorm.weight": lambda H: (H,),
+    "mtp.layers.0.self_attn.o_proj.weight": lambda H: (H, H),
+}
+
+
+def build_release_model(vocab: int, seed: int = 4):
+    """The Qwen3.6-35B-A3B release's class, tiny: Qwen3_5MoeForConditionalGeneration with a
+    one-block vision tower, mRoPE settings in the text config, weights randomised as
+    build_model does and rounded to bf16 (the release's dtype)."""
+    t = _torch()
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = qwen3_5_config(vocab=vocab).to_dict()
+    text["moe_intermediate_size"] = 64  # a multiple of 64, so `convert` can quantise it too
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                               "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=16)
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    t.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(config).eval()
+    with t.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(t.randn_like(p) * 0.2)
+            elif name.endswith("A_log"):
+                p.copy_(t.log(t.rand_like(p) * 8 + 0.5))
+            elif name.endswith("dt_bias"):
+                p.copy_(t.randn_like(p) * 0.5)
+            elif "mlp.gate.weight" in name:
+                p.copy_(t.randn_like(p) * 0.3)
+            elif p.dim() >= 2:
+                p.copy_(t.randn_like(p) * 0.08)
+    return model.to(t.bfloat16)
+
+
+def write_release(model, folder: Path, tokenizer_dir: Path, chat_template: str) -> Path:
+    """The release's folder: config.json as save_pretrained writes it (text_config nested),
+    bf16 weights under their in-memory names (experts fused 3-D, `model.language_model.`,
+    `model.visual.`, top-level lm_head) plus `mtp.*`, in shards with an index, and
+    tokenizer.json + tokenizer_config.json carrying the chat template."""
+    from safetensors.torch import save_file
+
+    t = _torch()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    for stale in folder.glob("*.safetensors"):
+        stale.unlink()
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {name: p.detach().contiguous() for name, p in model.state_dict().items()}
+    H = model.config.text_config.hidden_size
+    gen = t.Generator().manual_seed(9)
+    for name, shape in MTP_TENSORS.items():
+        tensors[name] = (t.randn(shape(H), generator=gen) * 0.05).to(t.bfloat16)
+    names = sorted(tensors)
+    per = -(-len(names) // RELEASE_SHARDS)
+    weight_map = {}
+    for i in range(RELEASE_SHARDS):
+        fname = f"model-{i + 1:05d}-of-{RELEASE_SHARDS:05d}.safetensors"
+        keys = names[i * per:(i + 1) * per]
+        save_file({k: tensors[k] for k in keys}, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in keys})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    tok_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return folder
+
+
+def release_tokenizer(source: Path, folder: Path) -> int:
+    """A tokenizer.json for the release folder: `source`'s, with Qwen3's `<think>` and
+    `</think>` added; its vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    tok.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                    AddedToken("</think>", special=False, normalized=False)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok.get_vocab_size()

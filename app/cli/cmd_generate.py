@@ -8,6 +8,7 @@ from typing import Callable
 
 from tierlab.app.cli.log_args import add_log_args, check_log_target
 from tierlab.app.cli.signals import sigterm_exits
+from tierlab.app.cli.thinking_arg import add_thinking_arg, thinking_from_args, thinking_notice
 from tierlab.app.cli.engine_options import (add_knobs_at_arg, add_model_args, knob_steps_from_args, open_engine,
                                             print_notices)
 from tierlab.app.lab.knob_script import ScriptedRun
@@ -24,6 +25,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_thinking_arg(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -35,6 +37,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     check_settings(args.temperature, args.top_p, args.seed, names=("--temperature", "--top-p", "--seed"))
+    thinking_from_args(args, chat=args.chat)
     steps = knob_steps_from_args(args)
     check_log_target(args)
     with sigterm_exits():
@@ -53,7 +56,12 @@ def _generate(args, engine, steps) -> Callable[[], None]:
     tok = engine.tokenizer
     if tok is None:
         raise ModelError("no tokenizer.json: generate needs a tokenizer (use `tierlab ref --prompt-ids`)", args.model)
-    text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    thinking = thinking_from_args(args, chat=args.chat)
+    notice = thinking_notice(tok, thinking)
+    if notice:
+        engine.notice(notice)
+    text = (tok.render_chat([{"role": "user", "content": args.prompt}], enable_thinking=thinking) if args.chat
+            else args.prompt)
     prompt_ids = tok.encode(text)
     if not prompt_ids:
         raise ModelError("the prompt encodes to no tokens")

@@ -28,6 +28,7 @@ from tierlab.app.cli.errors import error_line
 from tierlab.app.tui.chat import ChatMessage, ChatPane
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
+from tierlab.engine.conversation import Conversation
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
 from tierlab.engine.meters import RECENT_TOKENS
@@ -117,6 +118,7 @@ class TierlabApp(App):
         self.sessions_dir = Path(sessions_dir)
         self.seed = seed
         self.engine: EngineSurface | None = None
+        self.conversation: Conversation | None = None
         self.watch: EngineWatch | None = None
         self.recorder = None
         self.generating = False
@@ -224,6 +226,7 @@ class TierlabApp(App):
         # collector's full passes, which otherwise stop both threads for a visible pause while tokens stream.
         gc.freeze()
         self.engine = engine
+        self.conversation = Conversation(engine)  # chat turns prefill only what the state lacks
         self.watch = EngineWatch(engine)
         self.watch.set_recent(self.meter_window)
         self._title_meters()
@@ -242,6 +245,8 @@ class TierlabApp(App):
         elif getattr(tokenizer, "chat_template", True) is None:
             self.query_one(ChatPane).raw_mode = True
             self.notify("this model has no chat template: raw completion mode", severity="warning")
+        else:
+            self.query_one(ChatPane).offer_thinking(tokenizer.thinking_default())
         self._show_engine_notices()
 
     def _show_engine_notices(self) -> None:
@@ -338,13 +343,15 @@ class TierlabApp(App):
             self.generating = True  # one turn at a time, also while its template renders
             self._stop_event = threading.Event()  # set by clearing the chat (or Esc): the turn is dropped
             self._update_subtitle()
-            self.render_prompt(chat.messages + [{"role": "user", "content": event.text}], self._stop_event)
+            self.render_prompt(chat.messages + [{"role": "user", "content": event.text}], self._stop_event,
+                               chat.thinking)
 
     @work(thread=True, exclusive=True, group="template", exit_on_error=False)
-    def render_prompt(self, messages: list[dict], cleared: threading.Event) -> None:
+    def render_prompt(self, messages: list[dict], cleared: threading.Event, thinking: bool | None = None) -> None:
         """Render the chat template for the new turn; a template that fails is a notification."""
         try:
-            prompt = self.engine.tokenizer.render_chat(messages, add_generation_prompt=True)
+            prompt = self.engine.tokenizer.render_chat(messages, add_generation_prompt=True,
+                                                       enable_thinking=thinking)
         except Exception as exc:  # a template that fails or runs past its budget must not take the app down
             self._call_ui(self._template_failed, one_line(exc))
             return
@@ -395,7 +402,8 @@ class TierlabApp(App):
             if not prompt_ids:
                 raise TierlabError("the prompt encodes to no tokens")
             seed = self.seed + self.replies  # reproducible, yet a repeated prompt can sample differently
-            for token in engine.generate(prompt_ids, seed=seed, stop_event=stop, **settings):
+            for token in engine.generate(prompt_ids, seed=seed, stop_event=stop, conversation=self.conversation,
+                                         **settings):
                 produced.append(int(token))
                 now = time.monotonic()
                 if now - last_shown >= STREAM_INTERVAL:
@@ -466,6 +474,13 @@ class TierlabApp(App):
         chat = self.query_one(ChatPane)
         chat.raw_mode = not chat.raw_mode
         self.notify("raw completion mode" if chat.raw_mode else "chat mode (chat template)", timeout=2)
+
+    def action_toggle_thinking(self) -> None:
+        thinking = self.query_one(ChatPane).toggle_thinking()
+        if thinking is None:
+            self.notify("this model's chat template has no thinking switch", severity="warning", timeout=3)
+        else:
+            self.notify(f"thinking {'on' if thinking else 'off'} from the next turn", timeout=2)
 
     # -- knobs ---------------------------------------------------------------
 
@@ -633,6 +648,8 @@ class TierlabApp(App):
         yield SystemCommand("Stop generation", "Stop the reply after the current token", self.action_stop)
         yield SystemCommand("Clear conversation", "Forget the chat and the sequence state", self.action_clear_chat)
         yield SystemCommand("Toggle chat / raw completion", "Chat template or plain text completion", self.action_toggle_raw)
+        yield SystemCommand("Toggle thinking", "The chat template's enable_thinking (Qwen3.x), from the next turn",
+                            self.action_toggle_thinking)
         yield SystemCommand("Toggle recording", "Start or stop a session log", self.action_toggle_recording)
         yield SystemCommand("Reset knobs to defaults", "All routing knobs and the RAM cache size", self.action_reset_knobs)
         yield SystemCommand("Heat profile inspector", "Open, compare and save heat profiles", self.action_heat_inspector)

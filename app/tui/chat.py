@@ -97,6 +97,10 @@ class ChatPane(Vertical):
                        help="stop the reply after this many new tokens")
             yield KnobSwitch("raw mode", False, default=False, id="raw-mode",
                              help="complete the prompt as plain text instead of a chat turn")
+            thinking = KnobSwitch("thinking", True, default=True, id="thinking",
+                                  help="the chat template's enable_thinking (Qwen3.x)")
+            thinking.display = False  # shown once the model's template turns out to have the switch
+            yield thinking
         yield Input(placeholder="Ask something… (Enter sends, Esc stops)", id="prompt")
 
     @property
@@ -106,6 +110,27 @@ class ChatPane(Vertical):
     @raw_mode.setter
     def raw_mode(self, value: bool) -> None:
         self.query_one("#raw-mode", KnobSwitch).value = value
+
+    def offer_thinking(self, default: bool | None) -> None:
+        """Show the thinking switch at the template's default; None (no switch in the
+        template) hides it."""
+        switch = self.query_one("#thinking", KnobSwitch)
+        switch.display = default is not None
+        if default is not None:
+            switch.default = default
+            switch.set_value_quietly(default)
+
+    @property
+    def thinking(self) -> bool | None:
+        """`enable_thinking` for the next turn; None when the template has no such switch."""
+        switch = self.query_one("#thinking", KnobSwitch)
+        return switch.value if switch.display else None
+
+    def toggle_thinking(self) -> bool | None:
+        switch = self.query_one("#thinking", KnobSwitch)
+        if switch.display:
+            switch.value = not switch.value
+        return self.thinking
 
     def settings(self) -> dict[str, float | int]:
         """Sampling settings for the next reply."""

@@ -15,7 +15,13 @@ from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplac
 
 
 class KVCache:
-    """Keys and values of one attention layer, grown by doubling."""
+    """Keys and values of one attention layer, grown by doubling.
+
+    Position p's entries depend only on tokens 0..p, so the cache rewinds to any
+    prefix by shortening the sequence: a snapshot holds nothing.
+    """
+
+    rewinds_anywhere = True
 
     def __init__(self, n_kv: int, head_dim: int, capacity: int = 256) -> None:
         self.k = np.zeros((n_kv, capacity, head_dim), dtype=np.float32)
@@ -32,6 +38,12 @@ class KVCache:
             new = np.zeros((old.shape[0], cap, old.shape[2]), dtype=np.float32)
             new[:, : old.shape[1]] = old
             setattr(self, name, new)
+
+    def snapshot(self) -> None:
+        return None
+
+    def restore(self, saved: None) -> None:
+        """Nothing to copy back: the entries before the snapshot's position are unchanged."""
 
 
 class Attention:

@@ -19,8 +19,19 @@ from tierlab.engine.kernels.dense import gated_deltanet, linear
 
 @dataclass
 class DeltaNetState:
+    """The recurrence folds every token in: it cannot rewind, only come back to a copy."""
+
     conv: np.ndarray  # [K-1, C]
     recurrent: np.ndarray  # [v_heads, dk, dv]
+
+    rewinds_anywhere = False
+
+    def snapshot(self) -> "DeltaNetState":
+        return DeltaNetState(conv=self.conv.copy(), recurrent=self.recurrent.copy())
+
+    def restore(self, saved: "DeltaNetState") -> None:
+        np.copyto(self.conv, saved.conv)
+        np.copyto(self.recurrent, saved.recurrent)
 
 
 class GatedDeltaNet:
