@@ -8,7 +8,8 @@ from textual.widgets import Input, Static
 from tierlab import ASSETS_DIR
 from tierlab.app.tui.app import TierlabApp
 from tierlab.app.tui.chat import ChatMessage
-from tierlab.app.tui.drilldown import TOP_PROBS, DrillDownScreen
+from tierlab.app.tui.drilldown import TOP_PROBS, DrillDownPane
+from tierlab.app.tui.overlay import RAMP
 from tierlab.engine.events import LEVEL_RAM
 from tierlab.engine.options import EngineOptions
 from tierlab.widgets.heatmap import ExpertHeatmap
@@ -72,8 +73,8 @@ async def test_drilldown_shows_the_layers_router_probabilities_and_lru_order(tmp
         assert heatmap.cursor[0] == 3
         await pilot.press("enter")
         await pilot.pause()
-        screen = app.screen
-        assert isinstance(screen, DrillDownScreen) and screen.layer == 3
+        screen = app.query_one(DrillDownPane)
+        assert app.focused is screen and screen.shown_layer == 3
         detail = screen.detail
         route = next(r for r in events[-1].layers if r.layer == 3)
         probs = np.asarray(route.probs)
@@ -100,15 +101,15 @@ async def test_drilldown_shows_the_layers_router_probabilities_and_lru_order(tmp
         assert screen.detail.oracle is not None and screen.detail.oracle >= 0.0
         # up moves to the layer above; live: a new reply changes the routing shown
         await pilot.press("up")
-        assert screen.layer == 2 and screen.detail.layer == 2
+        assert screen.shown_layer == 2 and screen.detail.layer == 2
         shown_token = screen.detail.token
         await send(pilot, "The end", max_tokens=3)
-        assert isinstance(app.screen, DrillDownScreen)
-        await wait_for(pilot, lambda: screen.detail.token != shown_token, timeout=10)
-        assert screen.detail.token == app.watch.tokens_seen - 1
+        assert screen.is_attached
+        await wait_for(pilot, lambda: screen.detail.token == app.watch.tokens_seen - 1 > shown_token, timeout=10)
+        screen.focus()
         await pilot.press("escape")
         await pilot.pause()
-        assert not isinstance(app.screen, DrillDownScreen)
+        assert not list(app.query(DrillDownPane))
 
 
 async def test_double_click_on_a_heatmap_cell_opens_its_layer(tmp_path):
@@ -121,8 +122,8 @@ async def test_double_click_on_a_heatmap_cell_opens_its_layer(tmp_path):
                     if (cell := heatmap.cell_at(x, y)) is not None and cell[1] >= 4)
         await pilot.double_click(heatmap, offset=spot)
         await pilot.pause()
-        assert isinstance(app.screen, DrillDownScreen)
-        assert app.screen.layer == heatmap.cursor[0] == heatmap.cell_at(*spot)[1]
+        pane = app.query_one(DrillDownPane)
+        assert pane.shown_layer == heatmap.cursor[0] == heatmap.cell_at(*spot)[1]
 
 
 def token_cells(message: ChatMessage):
@@ -136,6 +137,11 @@ def token_cells(message: ChatMessage):
             if action:
                 found.append(((x, y), action, style))
     return found
+
+
+def coloured(style) -> bool:
+    """The cell is on one of the overlay's colours (not the message's own background)."""
+    return style.bgcolor is not None and style.bgcolor.name in RAMP
 
 
 def seq_of(action: str) -> int:
@@ -163,14 +169,14 @@ async def test_overlay_colours_tokens_and_a_click_pins_a_token_in_the_heatmap(tm
         top = max(r.misses for r in records.values())
         for _, action, style in cells:
             count = records[seq_of(action)].misses
-            assert (style.bgcolor is not None) == (count > 0), (action, count)
+            assert coloured(style) == (count > 0), (action, count)
             if count == top:
                 assert style.bgcolor.name == "#9c1c1c"
         # the swap measure: the lever is off, so nothing swaps and nothing is coloured
         await pilot.press("ctrl+o")
         await pilot.pause()
         assert app.overlay.measure == "swaps"
-        assert all(style.bgcolor is None for _, _, style in token_cells(reply))
+        assert not any(coloured(style) for _, _, style in token_cells(reply))
         await pilot.press("ctrl+o")
         await pilot.pause()
         assert app.overlay.measure == "kl"

@@ -1,7 +1,8 @@
 """Layer drill-down: one layer of the model up close, live while a reply streams.
 
 Enter on the heatmap (or a double click on one of its cells) opens it for
-the cursor's layer; up/down move to the neighbouring layer; Esc closes it.
+the cursor's layer, in a pane docked right; up/down move to the neighbouring
+layer; Esc closes it.
 It shows the layer's last-token router probabilities (the top 16, with the
 chosen and the swapped experts marked), its RAM cache in LRU order, its
 GPU-resident experts, its realised / shadow / oracle hit rates over the
@@ -19,7 +20,6 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
@@ -150,51 +150,58 @@ def render_detail(detail: LayerDetail, n_layers: int) -> Text:
     return text
 
 
-class DrillDownScreen(ModalScreen):
-    """One layer up close; up/down change the layer, Esc closes."""
+class DrillDownPane(VerticalScroll, can_focus=True):
+    """One layer up close, docked right of the main screen; up/down change the layer, Esc closes.
+
+    A pane of the main screen rather than a screen of its own: the main screen stays the active
+    one, so a reply goes on streaming, and the pane redraws with it."""
 
     DEFAULT_CSS = """
-    DrillDownScreen { align: right middle; }
-    DrillDownScreen > #drill-box {
-        width: 64; max-width: 100%; height: 100%;
+    DrillDownPane {
+        dock: right; width: 60; max-width: 60%; height: 100%;
         border: round $accent; background: $surface; padding: 0 1;
     }
+    DrillDownPane:focus { border: round $accent-lighten-2; }
     """
     BINDINGS = [
-        Binding("escape", "dismiss", "Close"),
+        Binding("escape", "close", "Close drill-down"),
         Binding("up", "layer(-1)", "Layer up"),
         Binding("down", "layer(1)", "Layer down"),
     ]
 
     def __init__(self, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
+        super().__init__(id="drill-down")
+        self.shown_layer = layer
         self.detail: LayerDetail | None = None
 
     def compose(self) -> ComposeResult:
-        with VerticalScroll(id="drill-box"):
-            yield Static(id="drill-body")
+        yield Static(id="drill-body")
 
     def on_mount(self) -> None:
+        self.border_subtitle = "↑/↓ layer · Esc close"
         self.redraw()
         self.set_interval(REDRAW_INTERVAL, self.redraw, name="drill-down")
+
+    def show_layer(self, layer: int) -> None:
+        self.shown_layer = layer
+        self.redraw()
 
     def redraw(self) -> None:
         app = self.app
         engine, watch = getattr(app, "engine", None), getattr(app, "watch", None)
-        box = self.query_one("#drill-box")
-        box.border_title = f"Layer {self.layer}"
-        box.border_subtitle = "↑/↓ layer · Esc close"
+        self.border_title = f"Layer {self.shown_layer}"
         body = self.query_one("#drill-body", Static)
         if engine is None or watch is None:
             body.update("no model loaded")
             return
-        self.detail = layer_detail(engine, watch, self.layer)
+        self.detail = layer_detail(engine, watch, self.shown_layer)
         body.update(render_detail(self.detail, int(engine.config.n_layers)))
 
     def action_layer(self, step: int) -> None:
         engine = getattr(self.app, "engine", None)
         if engine is None:
             return
-        self.layer = min(int(engine.config.n_layers) - 1, max(0, self.layer + step))
-        self.redraw()
+        self.show_layer(min(int(engine.config.n_layers) - 1, max(0, self.shown_layer + step)))
+
+    def action_close(self) -> None:
+        self.remove()

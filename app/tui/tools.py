@@ -49,11 +49,16 @@ class AppTools:
 
     # -- layer drill-down ---------------------------------------------------------
 
+    def main_screen(self) -> Screen:
+        """The screen of chat, heatmap and knobs, also while a modal screen is on top of it."""
+        return self.screen_stack[0]
+
     def action_drill_down(self, layer: int | None = None) -> None:
         """Open the drill-down for `layer` (default: the heatmap cursor's, when the heatmap has focus)."""
-        from tierlab.app.tui.drilldown import DrillDownScreen
+        from tierlab.app.tui.drilldown import DrillDownPane
 
-        heatmap = self.query_one(ExpertHeatmap)
+        screen = self.main_screen()
+        heatmap = screen.query_one(ExpertHeatmap)
         if layer is None:
             if self.focused is not heatmap:
                 return
@@ -61,8 +66,14 @@ class AppTools:
         if self.engine is None:
             self.notify("no model loaded", severity="error")
             return
-        if not isinstance(self.screen, DrillDownScreen):
-            self.push_screen(DrillDownScreen(int(layer)))
+        panes = list(screen.query(DrillDownPane))
+        if panes:
+            panes[0].show_layer(int(layer))
+            panes[0].focus()
+            return
+        pane = DrillDownPane(int(layer))
+        screen.mount(pane)
+        pane.focus()
 
     def on_click(self, event: events.Click) -> None:
         """A double click on a heatmap cell opens that layer's drill-down (the first click moved the cursor)."""
@@ -85,12 +96,12 @@ class AppTools:
         self.refresh_views(force=True)
 
     def overlay_messages(self) -> list[ChatMessage]:
-        return [m for m in self.query_one(ChatPane).query(ChatMessage) if m.tokens and not m.has_class("-streaming")]
+        return [m for m in self.main_screen().query_one(ChatPane).query(ChatMessage) if m.tokens and not m.has_class("-streaming")]
 
     def paint_overlay(self) -> None:
         """Show every finished reply in the overlay's colours (or plain again), with its legend."""
         overlay = self.overlay
-        chat = self.query_one(ChatPane)
+        chat = self.main_screen().query_one(ChatPane)
         messages = self.overlay_messages()
         if overlay.measure is None or self.engine is None or self.engine.tokenizer is None:
             for message in messages:
@@ -114,7 +125,7 @@ class AppTools:
     def action_select_token(self, seq: int) -> None:
         """Pin token `seq`'s routes in the heatmap (its own token view); the same token again unpins."""
         overlay = self.overlay
-        heatmap = self.query_one(ExpertHeatmap)
+        heatmap = self.main_screen().query_one(ExpertHeatmap)
         if overlay.pinned == seq or overlay.ring.get(seq) is None:
             overlay.pinned = None
         else:
@@ -124,7 +135,7 @@ class AppTools:
         self.refresh_views(force=True)
 
     def _show_pinned(self) -> None:
-        heatmap = self.query_one(ExpertHeatmap)
+        heatmap = self.main_screen().query_one(ExpertHeatmap)
         overlay = self.overlay
         pinned = overlay.pinned
         if pinned is None:
@@ -162,7 +173,7 @@ class AppTools:
         except Exception as exc:  # a bad file or a value the engine refuses: a notice, the app stays up
             self.notify(error_line(exc), title="Preset", severity="error")
             return False
-        self.query_one(KnobsPanel).show(self.engine.knobs.snapshot())
+        self.main_screen().query_one(KnobsPanel).show(self.engine.knobs.snapshot())
         self.notify(f"{preset.name}: {preset.assignments}", title="Preset loaded", timeout=3)
         return True
 
@@ -215,7 +226,7 @@ class AppTools:
         """Copy the last reply to the clipboard through OSC 52."""
         from tierlab.app.tui.exports import last_reply
 
-        text = last_reply(self.query_one(ChatPane))
+        text = last_reply(self.main_screen().query_one(ChatPane))
         if text is None:
             self.notify("no reply to copy yet", severity="warning")
             return None
@@ -232,7 +243,7 @@ class AppTools:
             yield SystemCommand("Export A/B table as markdown", "The A/B table into the sessions folder (e)",
                                 screen.action_export)
         yield SystemCommand("Layer drill-down", "The heatmap cursor's layer up close (Enter on the heatmap)",
-                            lambda: self.action_drill_down(self.query_one(ExpertHeatmap).cursor[0]))
+                            lambda: self.action_drill_down(self.main_screen().query_one(ExpertHeatmap).cursor[0]))
         yield SystemCommand("Token overlay: next measure", "Colour tokens by misses, swaps, KL, then off (ctrl+o)",
                             self.action_cycle_overlay)
         for measure in (*MEASURES, None):
