@@ -191,10 +191,12 @@ class TokenOverlay:
 
     def describe(self, seq: int, token_id: int, tokenizer) -> str:
         """`token 41 'foo' · 3 misses · 1 swaps · KL 0.012`: the pinned token (`token_id`, produced by
-        pass `seq`), for the heatmap's title."""
+        pass `seq`; -1 when unknown), for the heatmap's title."""
         record = self.ring.get(seq)
         if record is None:
             return f"token {seq}: no longer kept"
-        piece = tokenizer.decode([token_id], skip_special=False) if tokenizer is not None else str(token_id)
         kl = "–" if record.kl is None else f"{record.kl:.3g}"
-        return f"token {seq} {piece!r} · {record.misses} misses · {record.swaps} swaps · KL {kl}"
+        figures = f"{record.misses} misses · {record.swaps} swaps · KL {kl}"
+        if token_id < 0 or tokenizer is None:  # its reply was cleared from the chat
+            return f"token {seq} · {figures}"
+        return f"token {seq} {tokenizer.decode([token_id], skip_special=False)!r} · {figures}"
