@@ -207,3 +207,27 @@ async def test_overlay_colours_tokens_and_a_click_pins_a_token_in_the_heatmap(tm
         await pilot.pause()
         assert app.overlay.measure is None
         assert not token_cells(reply)
+
+
+def test_token_ring_keeps_the_last_passes_of_a_real_engine():
+    from tierlab.app.tui.overlay import TokenRing
+
+    engine = EngineOptions(SHIPPED, 12).open()
+    events = []
+    ring = TokenRing(size=5)
+    try:
+        engine.subscribe(events.append)
+        ring.attach(engine)
+        ids = engine.tokenizer.encode("Once upon a time")
+        produced = list(engine.generate(ids, max_new_tokens=6))
+        ring.detach()
+    finally:
+        engine.close()
+    assert len(produced) == 6 and ring.count == len(events) == len(ids) + 5
+    assert len(ring.records) == 5 and ring.get(ring.count - 6) is None and ring.get(ring.count) is None
+    for seq in range(ring.count - 5, ring.count):
+        record, event = ring.get(seq), events[seq]
+        assert record.token_id == event.token_id and record.phase == event.phase
+        assert record.misses == sum(r.ram_misses for r in event.layers)
+        assert record.layers == tuple(r.layer for r in event.layers)
+        assert np.array_equal(record.chosen, np.stack([r.chosen for r in event.layers]))

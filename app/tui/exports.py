@@ -56,8 +56,9 @@ def meters_rows(watch) -> list[list[str]]:
     """The CSV's rows (header first) from the app's watch."""
     rows = [meters_header()]
     for number, (segment, values) in enumerate(watch.segments(), 1):
-        rows.append([f"setting {number}", _knob_text(values), "" if segment.ram_slots is None else str(segment.ram_slots),
-                     str(segment.first), str(segment.end), *_cells(segment.meters)])
+        slots = "" if segment.ram_slots is None else str(segment.ram_slots)
+        rows.append([f"setting {number}", _knob_text(values), slots, str(segment.first), str(segment.end),
+                     *_cells(segment.meters)])
     reading = watch.oracle_reading()
     oracle = reading.meters() if reading is not None else {}
     knobs = watch.engine.knobs.snapshot()

@@ -71,7 +71,8 @@ def preset_folder(sessions_dir: str | Path) -> Path:
 def check_name(name: str) -> str:
     name = name.strip()
     if not NAME_PATTERN.fullmatch(name):
-        raise PresetError(f"preset name {name!r}: use 1-64 letters, digits, '_', '-' or '.', starting with a letter or digit")
+        raise PresetError(f"preset name {name!r}: use 1-64 letters, digits, '_', '-' or '.', "
+                          "starting with a letter or digit")
     return name
 
 

@@ -96,7 +96,8 @@ class AppTools:
         self.refresh_views(force=True)
 
     def overlay_messages(self) -> list[ChatMessage]:
-        return [m for m in self.main_screen().query_one(ChatPane).query(ChatMessage) if m.tokens and not m.has_class("-streaming")]
+        chat = self.main_screen().query_one(ChatPane)
+        return [m for m in chat.query(ChatMessage) if m.tokens and not m.has_class("-streaming")]
 
     def paint_overlay(self) -> None:
         """Show every finished reply in the overlay's colours (or plain again), with its legend."""
@@ -250,9 +251,11 @@ class AppTools:
             title = MEASURE_TITLES[measure] if measure else "off"
             yield SystemCommand(f"Token overlay: {title}", "Colour each generated token by this measure",
                                 lambda m=measure: self.set_overlay(m))
-        yield SystemCommand("Presets: load or save", "Knob presets in the sessions folder (ctrl+g)", self.action_presets)
+        yield SystemCommand("Presets: load or save", "Knob presets in the sessions folder (ctrl+g)",
+                            self.action_presets)
         for name in ("stock", "recommended", "aggressive"):
-            yield SystemCommand(f"Preset: {name}", "Set every knob from this preset", lambda n=name: self.load_preset(n))
+            yield SystemCommand(f"Preset: {name}", "Set every knob from this preset",
+                                lambda n=name: self.load_preset(n))
         yield SystemCommand("Export meters as CSV", "This session's meters into the sessions folder",
                             self.action_export_meters)
         yield SystemCommand("Export screenshot (SVG)", "The screen into the sessions folder (ctrl+s)",
