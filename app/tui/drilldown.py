@@ -28,6 +28,8 @@ TOP_PROBS = 16
 """Router probabilities the drill-down lists (the top ones of the last token)."""
 REDRAW_INTERVAL = 0.5
 """Seconds between redraws while the drill-down is open."""
+LAYER = "drill"
+"""The screen layer the drill-down pane is drawn on (above the default one)."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,8 @@ def render_detail(detail: LayerDetail, n_layers: int) -> Text:
     if not detail.moe:
         text.append("a dense layer: it routes no experts\n")
         return text
-    text.append("Router, last token", style="bold")
-    text.append("  ● chosen  ⇄ swapped in (resident substitute)  ✗ true top-K passed over\n", style="dim")
+    text.append("Router, last token\n", style="bold")
+    text.append("  ● chosen  ⇄ swapped in  ✗ top-K passed over\n", style="dim")
     if not detail.probs:
         text.append("  no routing yet: send a prompt\n")
     top = max((p.prob for p in detail.probs), default=0.0) or 1.0
@@ -143,7 +145,7 @@ def render_detail(detail: LayerDetail, n_layers: int) -> Text:
     text.append(f" ({len(detail.gpu)})\n", style="dim")
     text.append("  " + (" ".join(f"E{e}" for e in detail.gpu) or "none") + "\n")
     text.append("\nHit rates", style="bold")
-    text.append(f" ({detail.window}; oracle over the band's window)\n", style="dim")
+    text.append(f" ({detail.window}; oracle: the band's)\n", style="dim")
     text.append(f"  realised {_pct(detail.realised)} · shadow {_pct(detail.shadow)} · oracle {_pct(detail.oracle)}\n")
     text.append("Read from disk", style="bold")
     text.append(f"  {_mib(detail.bytes_read)} ({detail.misses} misses + {detail.prefetch_reads} PILOT reads)\n")
@@ -154,19 +156,21 @@ class DrillDownPane(VerticalScroll, can_focus=True):
     """One layer up close, docked right of the main screen; up/down change the layer, Esc closes.
 
     A pane of the main screen rather than a screen of its own: the main screen stays the active
-    one, so a reply goes on streaming, and the pane redraws with it."""
+    one, so a reply goes on streaming, and the pane redraws with it. It sits on a layer of its
+    own (`LAYER`, which `open_on` adds to the screen), so it covers the panes beneath it instead
+    of squeezing them."""
 
     DEFAULT_CSS = """
     DrillDownPane {
-        dock: right; width: 60; max-width: 60%; height: 100%;
+        layer: drill; dock: right; width: 52; max-width: 100%; height: 100%;
         border: round $accent; background: $surface; padding: 0 1;
     }
     DrillDownPane:focus { border: round $accent-lighten-2; }
     """
     BINDINGS = [
         Binding("escape", "close", "Close drill-down"),
-        Binding("up", "layer(-1)", "Layer up"),
-        Binding("down", "layer(1)", "Layer down"),
+        Binding("up", "layer(-1)", "Layer up", show=False),
+        Binding("down", "layer(1)", "Layer down", show=False),
     ]
 
     def __init__(self, layer: int) -> None:
@@ -205,3 +209,19 @@ class DrillDownPane(VerticalScroll, can_focus=True):
 
     def action_close(self) -> None:
         self.remove()
+
+
+def open_on(screen, layer: int) -> DrillDownPane:
+    """Show the drill-down for `layer` on `screen` (the one already open, or a new one), focused."""
+    found = list(screen.query(DrillDownPane))
+    if found:
+        found[0].show_layer(layer)
+        found[0].focus()
+        return found[0]
+    layers = tuple(screen.styles.layers) or ("default",)
+    if LAYER not in layers:
+        screen.styles.layers = (*layers, LAYER)
+    pane = DrillDownPane(layer)
+    screen.mount(pane)
+    pane.focus()
+    return pane

@@ -171,7 +171,7 @@ class TokenOverlay:
         title = MEASURE_TITLES[self.measure]
         scale = f"{top:.3g}" if self.measure == "kl" else f"{top:.0f}"
         ramp = "".join(f"[on {c}] [/]" for c in RAMP)
-        return f"overlay: {title} per token · 0 {ramp} {scale} · click a token · ctrl+o next"
+        return f"{title} 0 {ramp} {scale} · click a token"
 
     def heatmap_data(self, live):
         """The heatmap's data: the live arrays, with the pinned token's routes in place of the latest."""

@@ -55,7 +55,7 @@ class AppTools:
 
     def action_drill_down(self, layer: int | None = None) -> None:
         """Open the drill-down for `layer` (default: the heatmap cursor's, when the heatmap has focus)."""
-        from tierlab.app.tui.drilldown import DrillDownPane
+        from tierlab.app.tui.drilldown import open_on
 
         screen = self.main_screen()
         heatmap = screen.query_one(ExpertHeatmap)
@@ -66,14 +66,7 @@ class AppTools:
         if self.engine is None:
             self.notify("no model loaded", severity="error")
             return
-        panes = list(screen.query(DrillDownPane))
-        if panes:
-            panes[0].show_layer(int(layer))
-            panes[0].focus()
-            return
-        pane = DrillDownPane(int(layer))
-        screen.mount(pane)
-        pane.focus()
+        open_on(screen, int(layer))
 
     def on_click(self, event: events.Click) -> None:
         """A double click on a heatmap cell opens that layer's drill-down (the first click moved the cursor)."""
