@@ -304,7 +304,8 @@ class TierlabApp(AppTools, App):
             return
         self._drawn_tokens = seen
         self._side_drawn_at = now
-        self.query_one(ExpertHeatmap).update_data(self.overlay.heatmap_data(self.watch.heatmap_data()), now=True)  # this tick is the throttle
+        data = self.overlay.heatmap_data(self.watch.heatmap_data())  # a token the overlay pinned, else the live one
+        self.query_one(ExpertHeatmap).update_data(data, now=True)  # this tick is the throttle
         history = self.watch.meter_history()
         slow_views = force or not self.generating or now - self._plot_drawn_at >= PLOT_INTERVAL
         if slow_views:
