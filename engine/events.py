@@ -43,6 +43,7 @@ class LayerRoute:
     shadow_ram_hits: int = 0  # stock top-K experts a RAM slot held
     shadow_ram_misses: int = 0  # stock top-K experts that would have been read from disk
     shadow_vram: int = 0  # stock top-K experts the GPU tier held
+    probs: np.ndarray | None = None  # float32[E], the router's softmax over every expert (None where not kept)
 
 
 @dataclass

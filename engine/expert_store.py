@@ -252,6 +252,15 @@ class ExpertStore:
             level[tier.resident_mask(layer, self.n_experts)] = LEVEL_GPU
         return level
 
+    def ram_order(self, layer: int) -> list[int]:
+        """The experts a RAM slot of a layer holds ready, least recently used first (empty for a dense layer)."""
+        st = self._layers[layer]
+        if st is None:
+            return []
+        with self._cond:
+            held = [(int(st["last"][s]), int(e)) for s, e in enumerate(st["expert"]) if e >= 0 and not st["loading"][s]]
+        return [e for _, e in sorted(held)]
+
     def in_ram(self, layer: int, expert: int) -> bool:
         return bool(self._in_ram[layer, expert])
 

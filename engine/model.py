@@ -109,6 +109,10 @@ class Engine:
         """Residency level of every expert of a layer, int8[E]: 2 GPU tier, 1 RAM cache, 0 disk."""
         return self.store.levels(layer)
 
+    def ram_order(self, layer: int) -> list[int]:
+        """The experts the RAM cache holds for a layer, least recently used first."""
+        return self.store.ram_order(layer)
+
     def cache_slots(self) -> int:
         """RAM cache slots per MoE layer."""
         return self.store.slots

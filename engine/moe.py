@@ -70,11 +70,13 @@ class MoEBlock:
         softmax_row(logits, probs)
         knobs = ctx.knobs
         if ctx.router is not None and (knobs.CACHE_ROUTE or knobs.meters_on):
-            return ctx.router.select(self.layer, logits, probs, ctx.residency(self.layer), knobs)
+            route = ctx.router.select(self.layer, logits, probs, ctx.residency(self.layer), knobs)
+            route.probs = probs  # this call's own array: kept by reference, for the app's drill-down
+            return route
         chosen, w = plain_topk(probs, K, cfg.norm_topk_prob)
         level = ctx.residency(self.layer)[chosen] if ctx.wants_levels else np.zeros(K, dtype=np.int8)
         return LayerRoute(self.layer, chosen, w, chosen.copy(), probs[chosen], level.astype(np.int8),
-                          np.zeros(K, dtype=np.bool_), slots=K)
+                          np.zeros(K, dtype=np.bool_), slots=K, probs=probs)
 
     # -- compute ---------------------------------------------------------------
     def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[LayerRoute]]:

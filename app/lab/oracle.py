@@ -98,6 +98,7 @@ class OracleBand:
         self._arrays_epoch = 0
         self._computed_at = -1
         self.slots: int | None = None  # RAM slots per layer, as the latest event's store counters say
+        self.layer_ids: list[int] = []  # the layer of each route in an event, as the latest event says
         self.latest: float | None = None
         self.latest_reading: OracleReading | None = None
         self._stop = threading.Event()
@@ -110,6 +111,8 @@ class OracleBand:
         """Remember one token's requests (engine thread: an append, nothing else)."""
         chosen = [route.chosen for route in event.layers]
         slots = event.store.get("ram_slots")
+        if len(chosen) != len(self.layer_ids):
+            self.layer_ids = [route.layer for route in event.layers]
         with self._lock:
             self._tokens.append(chosen)
             self._added += 1
@@ -155,6 +158,16 @@ class OracleBand:
         if not layers or not slots:
             return None
         return _rate([belady_hits(r, slots) for r in layers])
+
+    def layer_hit_rate(self, layer: int, slots: int | None = None) -> float | None:
+        """Belady hit rate of one layer over the window at `slots` (default: the cache's size);
+        None when the window is empty or the layer routes no experts."""
+        layers, _, current = self._layers()
+        slots = current if slots is None else slots
+        ids = self.layer_ids
+        if not layers or not slots or layer not in ids or ids.index(layer) >= len(layers):
+            return None
+        return _rate([belady_hits(layers[ids.index(layer)], slots)])
 
     def reading(self, slots: int | None = None) -> OracleReading | None:
         """Replay the window now, in the caller's thread, at `slots` (default: the cache's size); None if empty."""

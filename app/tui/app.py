@@ -28,6 +28,7 @@ from tierlab.app.cli.errors import error_line
 from tierlab.app.tui.chat import ChatMessage, ChatPane
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
+from tierlab.app.tui.tools import TOOL_BINDINGS, AppTools
 from tierlab.engine.conversation import Conversation
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
@@ -65,7 +66,7 @@ def one_line(exc: BaseException) -> str:
     return error_line(exc)
 
 
-class TierlabApp(App):
+class TierlabApp(AppTools, App):
     """Chat, knobs, expert heatmap and meters on one screen."""
 
     TITLE = "tierlab"
@@ -93,6 +94,7 @@ class TierlabApp(App):
         Binding("f8", "focus('knobs')", "Knobs", show=False),
         Binding("f9", "focus('prompt')", "Prompt", show=False),
         Binding("ctrl+q", "quit", "Quit"),
+        *TOOL_BINDINGS,
     ]
 
     def __init__(
@@ -235,6 +237,7 @@ class TierlabApp(App):
         self._initial_slots = slots
         self.query_one(KnobsPanel).configure(int(config.top_k), int(config.n_experts), slots)
         self.query_one(KnobsPanel).show(engine.knobs.snapshot(), slots)
+        self.tools_engine_ready(engine)
         self.refresh_views(force=True)
         self._update_subtitle()
         if self.tier and engine.tier_description() is None:
@@ -306,7 +309,8 @@ class TierlabApp(App):
             return
         self._drawn_tokens = seen
         self._side_drawn_at = now
-        self.query_one(ExpertHeatmap).update_data(self.watch.heatmap_data(), now=True)  # this tick is the throttle
+        data = self.overlay.heatmap_data(self.watch.heatmap_data())  # a token the overlay pinned, else the live one
+        self.query_one(ExpertHeatmap).update_data(data, now=True)  # this tick is the throttle
         history = self.watch.meter_history()
         slow_views = force or not self.generating or now - self._plot_drawn_at >= PLOT_INTERVAL
         if slow_views:
@@ -405,6 +409,7 @@ class TierlabApp(App):
             for token in engine.generate(prompt_ids, seed=seed, stop_event=stop, conversation=self.conversation,
                                          **settings):
                 produced.append(int(token))
+                reply.tokens.append((int(token), self.overlay.ring.last_seq))  # the pass that produced it
                 now = time.monotonic()
                 if now - last_shown >= STREAM_INTERVAL:
                     last_shown = now
@@ -435,6 +440,7 @@ class TierlabApp(App):
         if reply.role == "assistant" and reply.is_attached:  # not when the chat was cleared meanwhile
             chat.messages.append({"role": "assistant", "content": text})
         chat.follow()
+        self.overlay_reply_done(reply)
         if error:
             self.notify(error, title="Engine", severity="error")
         if self.watch is not None and self._engine_idle.is_set():

@@ -6,6 +6,7 @@ job, so the pane never touches the engine.
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
@@ -34,6 +35,12 @@ class ChatMessage(Static):
         super().__init__(text, markup=False, classes=f"-{role}")
         self.role = role
         self.text = text
+        self.tokens: list[tuple[int, int]] = []
+        """A reply's (token id, pass that produced it) pairs, for the token overlay (app/tui/overlay.py)."""
+
+    def show_overlay(self, text: Text | None) -> None:
+        """Show the reply in the token overlay's colours (None: its plain text again); the text is the same."""
+        self.update(text if text is not None else (self.text or "…"), layout=False)
 
     def set_text(self, text: str) -> bool:
         """Show `text`; True when it changed the message's height (and so the screen's layout).
