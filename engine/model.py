@@ -74,6 +74,8 @@ class Engine:
         if slots < 1:
             raise ModelError(f"--cache must be at least 1 (got {slots})")
         tier = tier or TierOptions()
+        self.tier_options = tier
+        self._fingerprint: str | None = None
         self.notices: list[str] = []
         self.expert_source = source
         #: HEAT_FILE: the profile read at start, this process's routings, the write on close
@@ -119,6 +121,15 @@ class Engine:
     def store_stats(self) -> StoreStats:
         """The expert store's counters (RAM hits and misses per layer, bytes read, tier) and shape."""
         return self.store.stats()
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint (engine/fingerprint.py), read once from the folder's headers."""
+        if self._fingerprint is None:
+            from tierlab.engine.fingerprint import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.model_dir)
+        return self._fingerprint
 
     def tier_description(self) -> dict | None:
         """The GPU tier (device, capacity, warmstart order, uploads, bytes, seconds); None without one."""

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # annotations only: importing the surface loads no kernels
     from tierlab.engine.expert_store import StoreStats
     from tierlab.engine.knobs import Knobs
     from tierlab.engine.routing import Router
+    from tierlab.engine.tiering import TierOptions
     from tierlab.engine.tokenizer import Tokenizer
 
 
@@ -35,6 +36,10 @@ class EngineSurface(Protocol):
     heat: np.ndarray  # int64[L, E] routings since the last reset_meters
     timers: dict[str, float]  # seconds per phase, summed over all passes
     tokens_timed: int
+    tier_options: TierOptions  # the GPU tier settings the engine was opened with
+
+    @property
+    def fingerprint(self) -> str: ...  # the model's fingerprint (engine/fingerprint.py)
 
     # -- events --------------------------------------------------------------------
     def notice(self, text: str) -> None: ...
