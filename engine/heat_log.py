@@ -27,6 +27,7 @@ class HeatLog:
         self.n_experts = n_experts
         self.base = HeatProfile.read(path, n_layers, n_experts) if path and Path(path).exists() else None
         self.counts = np.zeros((n_layers, n_experts), dtype=np.int64)  # routings of this process
+        self.frozen = False  # set for A/B arms and replays: their routings are not written
 
     @property
     def plan_file(self) -> str | None:
@@ -34,6 +35,8 @@ class HeatLog:
         return self.path if self.base is not None else None
 
     def record(self, layer: int, experts: np.ndarray) -> None:
+        if self.frozen:
+            return
         self.counts[layer, experts] += 1
 
     def write(self, notice: Callable[[str], None]) -> str | None:
@@ -44,7 +47,7 @@ class HeatLog:
         one notice, never an exception.
         """
         path = self.path
-        if not path:
+        if not path or self.frozen:
             return None
         if Path(path).exists() and not Path(path).stat().st_mode & 0o222:  # mode bits: root ignores access()
             notice(f"{path}: read-only heat profile kept as it is")

@@ -27,7 +27,7 @@ from tierlab.engine.config import ModelConfig, load_config
 from tierlab.engine.errors import ModelError
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.expert_source import RawExpertSource
-from tierlab.engine.expert_store import ExpertStore, StoreStats
+from tierlab.engine.expert_store import ExpertStore, ResidencyState, StoreStats
 from tierlab.engine.heat_log import HeatLog
 from tierlab.engine.kernels.dense import linear, rmsnorm
 from tierlab.engine.knobs import Knobs
@@ -130,6 +130,19 @@ class Engine:
 
             self._fingerprint = model_fingerprint(self.model_dir)
         return self._fingerprint
+
+    def residency_state(self) -> ResidencyState:
+        """Where every expert is now (RAM slots in LRU order, pins, GPU tier residents)."""
+        return self.store.residency_state()
+
+    def restore_residency(self, state: ResidencyState) -> None:
+        """Put the experts back where `state` says (clean A/B arms: app/lab/arms.py)."""
+        with self._lock:
+            self.store.restore_residency(state)
+
+    def freeze_heat_file(self) -> None:
+        """From now on this engine's routings are not added to HEAT_FILE (A/B arms, replays)."""
+        self.heat_log.frozen = True
 
     def tier_description(self) -> dict | None:
         """The GPU tier (device, capacity, warmstart order, uploads, bytes, seconds); None without one."""
