@@ -94,13 +94,16 @@ def _stream(path: Path, log) -> tuple[list[int], list[int]]:
     return prompt, generated
 
 
-def _steps(path: Path, log, prompt_len: int) -> list[KnobStep]:
-    """The recorded knob changes as a knob script over the generated tokens."""
+def _steps(path: Path, log, prompt_len: int, generated_len: int) -> list[KnobStep]:
+    """The recorded knob changes as a knob script over the generated tokens (a change after the
+    last generated token changes nothing of the stream and is left out)."""
     steps = []
     for change in log.knob_changes:
         name, new = change["name"], change.get("new")
         at = int(change["at_token"])
         token = 0 if at < prompt_len else at - prompt_len + 1
+        if token >= generated_len:
+            continue
         if name in CACHE_NOTES:
             try:
                 slots = int(new)
@@ -156,7 +159,7 @@ def read_recording(path: str | Path, warn: Callable[[str], None] = lambda s: Non
         warn(f"{path}: a version-{log.version} log without a model fingerprint; "
              "the model it names cannot be checked")
     return Recording(path, Path(model) if isinstance(model, str) else None, log.fingerprint, prompt, generated,
-                     _knobs(path, header.get("knobs")), _steps(path, log, len(prompt)), _engine_settings(header),
+                     _knobs(path, header.get("knobs")), _steps(path, log, len(prompt), len(generated)), _engine_settings(header),
                      dict(header.get("sampling") or {}))
 
 
