@@ -4,7 +4,8 @@ The profile read at start plans the GPU tier's warmstart; on close the file
 gets every routing of this process (never reset by the meters) added to what
 the file holds at that moment, under a lock on ``HEAT_FILE.lock`` and
 written atomically with the file's mode kept, so runs that share a
-HEAT_FILE, one after another or at the same time, add up exactly.
+HEAT_FILE, one after another or at the same time, add up exactly. A frozen
+log (A/B arms and replays: app/lab/arms.py) records and writes nothing.
 """
 
 from __future__ import annotations

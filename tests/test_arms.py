@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ def arm(engine, state: ArmState, knobs: str) -> dict:
     engine.knobs = Knobs.from_assignments(knobs)
     state.restore(engine)
     _, meters = greedy_decode(engine, PROMPT[:3], N)
-    return {k: meters[k] for k in ("ram_hit", "ram_hits", "ram_misses", "shadow_hit")}
+    return {k: meters[k] for k in ("ram_hit", "ram_hits", "ram_misses", "shadow_hit", "vram_hit")}
 
 
 def test_a_warm_state_is_restored_exactly_before_each_arm(engine):
@@ -96,3 +97,29 @@ def test_arms_never_write_the_heat_file(tmp_path):
     run_ab(MODEL, PROMPT, FULL[: len(PROMPT) + 4], ["off"], repeat=0,
            default_engine={"CACHE": "3", "HEAT_FILE": str(absent)}, tf_nll=False)
     assert not Path(absent).exists()
+
+
+def test_the_gpu_tier_residents_are_restored(opencl_device):
+    from tierlab.engine.tiering import TierOptions
+
+    stats_probe = EngineOptions(MODEL, 3, knobs_from_env=False).open(with_tokenizer=False)
+    blob_gib = stats_probe.store_stats().blob_nbytes / 2**30
+    stats_probe.close()
+    tier = TierOptions(enabled=True, budget=str(5.5 * blob_gib))  # room for 5 experts
+    eng = EngineOptions(MODEL, 3, tier, knobs_from_env=False).open(with_tokenizer=False)
+    try:
+        assert eng.tier_description() is not None
+        state = ArmState.capture(eng)
+        residents = state.residency.tier
+        assert len(residents) == 5
+        first = arm(eng, state, "off")
+        # another arm's tier: the warmstart residents replaced by others
+        layer, _ = residents[0]
+        free = next(e for e in range(8) if (layer, e) not in residents)
+        eng.restore_residency(dataclass_replace(state.residency, tier=(*residents[1:], (layer, free))))
+        assert eng.residency_state().tier != residents
+        again = arm(eng, state, "off")
+        assert eng.residency_state().tier == residents
+        assert again == first and first["vram_hit"] > 0
+    finally:
+        eng.close()
