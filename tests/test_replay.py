@@ -149,3 +149,23 @@ def test_the_cli_prints_the_table_csv_and_markdown(lever_off_log):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("| row | RAM hit | ΔRAM hit |") and len(lines) == 4
+
+
+def test_paired_figures_on_known_distributions():
+    from tierlab.app.lab.paired import Trace, paired_metrics, repeated_4grams
+
+    def trace(probs, targets):
+        lp = np.log(np.asarray(probs, dtype=np.float64)).astype(np.float32)
+        nll = -lp[np.arange(len(targets)), targets].astype(np.float64)
+        return Trace(lp, nll, lp.argmax(axis=1), float(nll.mean()), {"ram_hit": 0.5, "vram_hit": None})
+
+    targets = [0, 1]
+    base = trace([[0.9, 0.1], [0.4, 0.6]], targets)
+    row = trace([[0.3, 0.7], [0.4, 0.6]], targets)
+    m = paired_metrics(base, row, resamples=200)
+    expected_kl = 0.9 * np.log(0.9 / 0.3) + 0.1 * np.log(0.1 / 0.7)
+    assert m["kl_mean"] == pytest.approx(expected_kl / 2, rel=1e-5)
+    assert m["agree"] == 0.5 and m["flips"] == 0.5 and m["flips_n"] == 1 and m["confident_n"] == 2
+    assert m["dnll"] == pytest.approx((np.log(0.9 / 0.3)) / 2, rel=1e-5)
+    assert m["dram_hit"] == 0.0 and m["dvram_hit"] is None
+    assert repeated_4grams([1, 2, 3, 4, 1, 2, 3, 4]) == 0.2 and repeated_4grams([1, 2]) is None

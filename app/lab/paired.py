@@ -67,6 +67,17 @@ def trace_teacher_forced(engine, prompt: list[int], full: list[int],
     return Trace(logprobs, nll, top1, tf_nll, meters)
 
 
+def _kl_rows(base: np.ndarray, row: np.ndarray, chunk: int = 64) -> np.ndarray:
+    """KL(base‖row) per token from log-probabilities, in float64, a few tokens at a time (a
+    release vocabulary makes the full float64 array large)."""
+    out = np.empty(base.shape[0], dtype=np.float64)
+    for start in range(0, base.shape[0], chunk):
+        lb = base[start:start + chunk].astype(np.float64)
+        lr = row[start:start + chunk].astype(np.float64)
+        out[start:start + chunk] = (np.exp(lb) * (lb - lr)).sum(axis=1)
+    return np.maximum(out, 0.0)  # rounding can leave a tiny negative for equal distributions
+
+
 def _delta(row: float | None, base: float | None) -> float | None:
     if row is None or base is None:
         return None
@@ -79,11 +90,10 @@ def paired_metrics(base: Trace, row: Trace, seed: int = 0, resamples: int = RESA
         raise ValueError("paired traces must score the same tokens")
     diffs = row.nll - base.nll
     dnll, lo, hi = paired_bootstrap(diffs, resamples=resamples, seed=seed)
-    pb = np.exp(base.logprobs.astype(np.float64))
-    kl = (pb * (base.logprobs.astype(np.float64) - row.logprobs.astype(np.float64))).sum(axis=1)
-    kl = np.maximum(kl, 0.0)  # rounding can leave a tiny negative for equal distributions
+    kl = _kl_rows(base.logprobs, row.logprobs)
     same = row.top1 == base.top1
-    confident = pb[np.arange(base.top1.size), base.top1] > CONFIDENT
+    top_p = np.exp(base.logprobs[np.arange(base.top1.size), base.top1].astype(np.float64))
+    confident = top_p > CONFIDENT
     flips = confident & ~same
     n = max(int(diffs.size), 1)
     bm, rm = base.meters, row.meters
