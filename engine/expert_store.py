@@ -139,6 +139,17 @@ class HeldExperts:
         return not self.plan[i][2]
 
 
+@dataclass(frozen=True)
+class ResidencyState:
+    """Where the experts were, as far as the next run's hits depend on it: the RAM slots per
+    layer, each MoE layer's RAM experts from least to most recently used with their pin flags
+    (None for a layer without experts), and the GPU tier's residents as (layer, expert)."""
+
+    slots: int
+    ram: tuple[tuple[tuple[int, bool], ...] | None, ...]
+    tier: tuple[tuple[int, int], ...]
+
+
 class ExpertStore:
     def __init__(self, source, n_layers: int, n_experts: int, slots: int, moe_layers: list[bool],
                  notice: Callable[[str], None]) -> None:
@@ -651,6 +662,59 @@ class ExpertStore:
                 st["pinned"][:] = False
                 st["pf_pass"][:] = -1
             self._in_ram[:] = 0
+
+    def residency_state(self) -> ResidencyState:
+        """The RAM cache's experts in LRU order with their pins, and the GPU tier's residents."""
+        with self._cond:
+            ram = []
+            for st in self._layers:
+                if st is None:
+                    ram.append(None)
+                    continue
+                held = [s for s in np.argsort(st["last"], kind="stable") if st["expert"][s] >= 0 and not st["loading"][s]]
+                ram.append(tuple((int(st["expert"][s]), bool(st["pinned"][s])) for s in held))
+            tier = self._tier
+            residents = tuple(tier.residents()) if tier is not None else ()
+        return ResidencyState(self._slots, tuple(ram), residents)
+
+    def restore_residency(self, state: ResidencyState) -> None:
+        """Put the RAM cache and the GPU tier back as `state` holds them: the same experts in the
+        same LRU order and pins. Counts no hit, miss, read or prefetch (the counters are kept)."""
+        if len(state.ram) != self.n_layers:
+            raise TierlabError(f"residency state has {len(state.ram)} layers; this model has {self.n_layers}")
+        counters = (self._bytes_read, self._prefetch_reads, self._ledger.copy())
+        self.clear()
+        self.set_slots(state.slots)
+        for layer, held in enumerate(state.ram):
+            st = self._layers[layer]
+            if st is None or not held:
+                continue
+            for expert, pinned in held[-self._slots:]:
+                self.prefetch(layer, int(expert))
+                with self._cond:
+                    s = int(st["slot_of"][int(expert)])
+                    self._clock += 1
+                    st["last"][s] = self._clock
+                    st["pinned"][s] = bool(pinned)
+        self._restore_tier(set(state.tier))
+        with self._cond:
+            self._bytes_read, self._prefetch_reads = counters[0], counters[1]
+            self._ledger[:] = counters[2]
+
+    def _restore_tier(self, wanted: set[tuple[int, int]]) -> None:
+        tier = self._tier
+        if tier is None:
+            return
+        held = set(tier.residents())
+        for layer, expert in sorted(held - wanted):
+            tier.evict(layer, expert)
+        missing = sorted(wanted - held)
+        if missing:
+            blob = np.empty(self._source.blob_nbytes, dtype=np.uint8)
+            for layer, expert in missing:
+                self._source.read(layer, expert, blob)
+                if not tier.upload(layer, expert, blob):
+                    break
 
     def set_slots(self, slots: int) -> None:
         """Change the RAM slots per layer, keeping the most recently used experts."""

@@ -4,7 +4,8 @@ The profile read at start plans the GPU tier's warmstart; on close the file
 gets every routing of this process (never reset by the meters) added to what
 the file holds at that moment, under a lock on ``HEAT_FILE.lock`` and
 written atomically with the file's mode kept, so runs that share a
-HEAT_FILE, one after another or at the same time, add up exactly.
+HEAT_FILE, one after another or at the same time, add up exactly. A frozen
+log (A/B arms and replays: app/lab/arms.py) records and writes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class HeatLog:
         self.n_experts = n_experts
         self.base = HeatProfile.read(path, n_layers, n_experts) if path and Path(path).exists() else None
         self.counts = np.zeros((n_layers, n_experts), dtype=np.int64)  # routings of this process
+        self.frozen = False  # set for A/B arms and replays: their routings are not written
 
     @property
     def plan_file(self) -> str | None:
@@ -34,6 +36,8 @@ class HeatLog:
         return self.path if self.base is not None else None
 
     def record(self, layer: int, experts: np.ndarray) -> None:
+        if self.frozen:
+            return
         self.counts[layer, experts] += 1
 
     def write(self, notice: Callable[[str], None]) -> str | None:
@@ -44,7 +48,7 @@ class HeatLog:
         one notice, never an exception.
         """
         path = self.path
-        if not path:
+        if not path or self.frozen:
             return None
         if Path(path).exists() and not Path(path).stat().st_mode & 0o222:  # mode bits: root ignores access()
             notice(f"{path}: read-only heat profile kept as it is")

@@ -101,6 +101,21 @@ CATALOGUE: tuple[Meter, ...] = (
           "layers between a PILOT read finishing and its use (mean)"),
     Meter("prefetch_bytes_per_saved", "prefetch bytes/saved", "pf bytes/saved", "ratio", ".2f", "5.2f",
           "bytes PILOT read per byte of miss it saved"),
+    # -- a row paired with its baseline, token by token (app/lab/paired.py) and its gates (app/lab/gates.py) --
+    Meter("dram_hit", "ΔRAM hit", "ΔRAM hit", RATE, "+.1f", "+5.1f", "RAM hit rate minus the baseline's"),
+    Meter("dvram_hit", "ΔVRAM hit", "ΔVRAM hit", RATE, "+.1f", "+5.1f", "VRAM hit rate minus the baseline's"),
+    Meter("dnll", "ΔNLL", "ΔNLL", NATS, "+.4f", "+7.4f", "mean NLL per token minus the baseline's, nats"),
+    Meter("dnll_lo", "ΔNLL lo", "ΔNLL lo", NATS, "+.4f", "+7.4f", "low end of the paired bootstrap 95% interval of ΔNLL"),
+    Meter("dnll_hi", "ΔNLL hi", "ΔNLL hi", NATS, "+.4f", "+7.4f", "high end of the paired bootstrap 95% interval of ΔNLL"),
+    Meter("agree", "top-1 agree", "top-1 agree", RATE, ".1f", "5.1f", "tokens whose top-1 is the baseline's"),
+    Meter("kl_mean", "KL mean", "KL mean", NATS, ".4f", "7.4f", "mean KL(baseline‖row) of the next-token distribution"),
+    Meter("kl_p50", "KL p50", "KL p50", NATS, ".4f", "7.4f", "median KL(baseline‖row) of the next-token distribution"),
+    Meter("kl_p99", "KL p99", "KL p99", NATS, ".4f", "7.4f", "99th percentile of KL(baseline‖row)"),
+    Meter("flips", "flips", "flips", RATE, ".2f", "5.2f",
+          "tokens whose baseline top-1 had p > 0.5 and whose top-1 changed"),
+    Meter("diverge", "diverges at", "diverges at", TEXT, "", "", "first token where the free generation differs"),
+    Meter("rep4", "rep 4-grams", "rep 4-grams", RATE, ".1f", "5.1f", "share of repeated 4-grams in the free generation"),
+    Meter("gate", "gate", "gate", TEXT, "", "", "quality gates: pass, or FAIL and the gates failed"),
 )
 METER_BY_KEY: dict[str, Meter] = {m.key: m for m in CATALOGUE}
 

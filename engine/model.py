@@ -27,7 +27,7 @@ from tierlab.engine.config import ModelConfig, load_config
 from tierlab.engine.errors import ModelError
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.expert_source import RawExpertSource
-from tierlab.engine.expert_store import ExpertStore, StoreStats
+from tierlab.engine.expert_store import ExpertStore, ResidencyState, StoreStats
 from tierlab.engine.heat_log import HeatLog
 from tierlab.engine.kernels.dense import linear, rmsnorm
 from tierlab.engine.knobs import Knobs
@@ -74,6 +74,8 @@ class Engine:
         if slots < 1:
             raise ModelError(f"--cache must be at least 1 (got {slots})")
         tier = tier or TierOptions()
+        self.tier_options = tier
+        self._fingerprint: str | None = None
         self.notices: list[str] = []
         self.expert_source = source
         #: HEAT_FILE: the profile read at start, this process's routings, the write on close
@@ -124,6 +126,28 @@ class Engine:
     def store_stats(self) -> StoreStats:
         """The expert store's counters (RAM hits and misses per layer, bytes read, tier) and shape."""
         return self.store.stats()
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's fingerprint (engine/fingerprint.py), read once from the folder's headers."""
+        if self._fingerprint is None:
+            from tierlab.engine.fingerprint import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.model_dir)
+        return self._fingerprint
+
+    def residency_state(self) -> ResidencyState:
+        """Where every expert is now (RAM slots in LRU order, pins, GPU tier residents)."""
+        return self.store.residency_state()
+
+    def restore_residency(self, state: ResidencyState) -> None:
+        """Put the experts back where `state` says (clean A/B arms: app/lab/arms.py)."""
+        with self._lock:
+            self.store.restore_residency(state)
+
+    def freeze_heat_file(self) -> None:
+        """From now on this engine's routings are not added to HEAT_FILE (A/B arms, replays)."""
+        self.heat_log.frozen = True
 
     def tier_description(self) -> dict | None:
         """The GPU tier (device, capacity, warmstart order, uploads, bytes, seconds); None without one."""

@@ -21,6 +21,10 @@ from tierlab.engine.sessionlog import SessionLogWriter
 from tierlab.engine.surface import EngineSurface
 
 
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+"""The sampling a log records when a run does not say: greedy (top_k 0: no top-k cut)."""
+
+
 def model_record(engine: EngineSurface) -> dict:
     cfg = engine.config
     return {"path": str(engine.model_dir), "arch": cfg.arch, "n_layers": cfg.n_layers,
@@ -34,9 +38,11 @@ def _logged(summary: dict) -> dict:
 
 
 class EngineLog:
-    def __init__(self, engine: EngineSurface, path: str | Path, append: bool = False) -> None:
+    def __init__(self, engine: EngineSurface, path: str | Path, append: bool = False,
+                 sampling: dict | None = None) -> None:
         """Records into a new file at `path` (or after what it holds, with `append`); a write that
-        fails stops the recording with one engine notice and the run goes on."""
+        fails stops the recording with one engine notice and the run goes on. `sampling`:
+        temperature, top_p, top_k, seed of the run (greedy when not given)."""
         self.engine = engine
         self.tokens = 0
         self.meters: dict | None = None
@@ -47,7 +53,8 @@ class EngineLog:
         self.writer = SessionLogWriter(
             path, model=model_record(engine), knobs=values,
             cache={"ram_slots": stats.slots, "gpu_tier": stats.tier_on, "tier_residents": stats.tier_residents},
-            append=append, on_error=engine.notice,
+            append=append, on_error=engine.notice, fingerprint=engine.fingerprint,
+            sampling=sampling or GREEDY, tier=engine.tier_options,
         )
         engine.subscribe(self._on_token)
         engine.knobs.subscribe(self._on_knob)
@@ -93,10 +100,12 @@ class EngineLog:
                 self.meters = record["meters"]
             self.recorded = _logged(self.windows.summary("total"))
 
-    def close(self, extra: dict | None = None) -> None:
-        """Write the summary (the last setting's meters, all recorded tokens' meters, `extra`,
-        e.g. ids_match and tf_nll) and close."""
+    def close(self, extra: dict | None = None, stream: tuple[list[int], list[int]] | None = None) -> None:
+        """Write the token stream (`stream`: prompt ids, generated ids), the summary (the last
+        setting's meters, all recorded tokens' meters, `extra`, e.g. ids_match and tf_nll) and close."""
         self.detach()
+        if stream is not None:
+            self.writer.write_stream(*stream)
         summary = {"meters": self.meters, "recorded": self.recorded, "tokens": self.tokens,
                    "segments": len(self.windows.segments) + (1 if self.windows.setting is not None else 0)}
         summary.update(extra or {})

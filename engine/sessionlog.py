@@ -8,7 +8,9 @@ once. JSON only: reading a log never runs code from it.
 
 Record shapes (``type`` tells them apart; docs/formats.md "Session log"):
 
-- header: format, version, model, knobs, cache, machine
+- header: format, version, model, knobs, cache, machine; from version 2
+  also fingerprint (engine/fingerprint.py), sampling (temperature, top_p,
+  top_k, seed) and tier (the TierOptions the engine was opened with)
 - token: index, phase, token, knob_seq, timings_ms, layers[] (layer,
   chosen, true_topk, level, swapped, weights, true_weights, ram_hits,
   ram_misses, vram_served, shadow: [RAM hits, RAM misses, GPU tier] of the
@@ -16,6 +18,8 @@ Record shapes (``type`` tells them apart; docs/formats.md "Session log"):
 - knob: seq, name, old, new, at_token
 - segment: one per knob setting, written when the setting ends: knob_seq,
   knobs, cache_slots, from_token, to_token, meters (the setting's own)
+- stream: prompt_ids, generated_ids: the token stream of a run, written
+  once it ends (version 2), so `tierlab replay` can teacher-force it
 - summary: meters of the last knob setting, meters of every recorded token
   ("recorded"), and free-form figures (e.g. ids_match, tf_nll)
 """
@@ -40,7 +44,9 @@ from tierlab.engine.events import LayerRoute, TokenEvent
 from tierlab.engine.routing import topk_kl
 
 FORMAT_NAME = "tierlab-session-log"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this reader reads: 1 lacks the fingerprint, sampling, tier and stream records.
+READ_VERSIONS = (1, 2)
 # A header line longer than this means the file is something else.
 MAX_HEADER_BYTES = 1 << 20
 
@@ -133,6 +139,14 @@ def event_from_record(record: Mapping[str, Any], measured: bool, gpu_tier: bool 
     )
 
 
+def _tier_record(tier: Any) -> dict[str, Any]:
+    if tier is None:
+        return {}
+    if isinstance(tier, Mapping):
+        return dict(tier)
+    return {k: getattr(tier, k) for k in ("enabled", "budget", "device", "warmstart", "heat_file")}
+
+
 def machine_info() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
@@ -162,9 +176,14 @@ class SessionLogWriter:
         cache: Mapping[str, Any] | None = None,
         append: bool = False,
         on_error: Callable[[str], None] | None = None,
+        fingerprint: str | None = None,
+        sampling: Mapping[str, Any] | None = None,
+        tier: Any = None,
     ) -> None:
         """``model``: path, arch and dims; ``knobs``: a KnobValues or dict;
-        ``cache``: e.g. ``{"ram_slots": 64, "gpu_tier": True}`` (ram_slots feeds the Belady oracle)."""
+        ``cache``: e.g. ``{"ram_slots": 64, "gpu_tier": True}`` (ram_slots feeds the Belady oracle);
+        ``fingerprint``: the model's (engine/fingerprint.py); ``sampling``: temperature, top_p,
+        top_k, seed; ``tier``: a TierOptions or dict."""
         self.path = Path(path)
         self._lock = threading.Lock()
         self._on_error = on_error
@@ -186,6 +205,9 @@ class SessionLogWriter:
                 "knobs": knob_dict,
                 "cache": dict(cache or {}),
                 "machine": machine_info(),
+                "fingerprint": fingerprint,
+                "sampling": dict(sampling or {}),
+                "tier": _tier_record(tier),
             }
         )
 
@@ -257,6 +279,11 @@ class SessionLogWriter:
         """One knob setting's record: its knobs, cache size, token range and meters."""
         self._write({"type": "segment", **segment})
 
+    def write_stream(self, prompt_ids, generated_ids) -> None:
+        """The run's token stream: the prompt and every token it produced."""
+        self._write({"type": "stream", "prompt_ids": [int(t) for t in prompt_ids],
+                     "generated_ids": [int(t) for t in generated_ids]})
+
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         self._write({"type": "summary", **summary})
 
@@ -287,9 +314,21 @@ class SessionLog:
     segments: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
     damage: str | None = None
+    stream: dict[str, Any] | None = None  # prompt_ids and generated_ids (version 2)
+
+    @property
+    def version(self) -> int:
+        return int(self.header.get("version", 1))
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The model's fingerprint, None in a version-1 log."""
+        value = self.header.get("fingerprint")
+        return value if isinstance(value, str) else None
 
 
-_REQUIRED = {"token": ("index", "layers"), "knob": ("name", "at_token"), "summary": ()}
+_REQUIRED = {"token": ("index", "layers"), "knob": ("name", "at_token"), "summary": (),
+             "stream": ("prompt_ids", "generated_ids")}
 
 
 def _parse_line(raw: bytes) -> dict[str, Any] | None:
@@ -305,6 +344,11 @@ def _parse_line(raw: bytes) -> dict[str, Any] | None:
         return None
     if record["type"] == "token" and not isinstance(record["layers"], list):
         return None
+    if record["type"] == "stream" and not all(
+        isinstance(record[k], list) and all(isinstance(t, int) and not isinstance(t, bool) for t in record[k])
+        for k in ("prompt_ids", "generated_ids")
+    ):
+        return None
     return record
 
 
@@ -315,8 +359,9 @@ def _read_header(path: Path, first: bytes) -> dict[str, Any]:
     if header is None or header.get("type") != "header" or header.get("format") != FORMAT_NAME:
         raise FormatError("not a tierlab session log", path)
     version = header.get("version")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"session log version {version!r}; this tierlab reads version {FORMAT_VERSION}", path)
+    if version not in READ_VERSIONS:
+        shown = " and ".join(str(v) for v in READ_VERSIONS)
+        raise FormatError(f"session log version {version!r}; this tierlab reads versions {shown}", path)
     return header
 
 
@@ -351,6 +396,8 @@ def read_session_log(path: str | os.PathLike) -> SessionLog:
                 log.segments.append(record)
             elif kind == "summary":
                 log.summary = record
+            elif kind == "stream":
+                log.stream = record
             # other types: written by a newer minor revision; skipped
     if log.damage:
         warnings.warn(

@@ -20,10 +20,11 @@ if TYPE_CHECKING:  # annotations only: importing the surface loads no kernels
     from tierlab.engine.config import ModelConfig
     from tierlab.engine.conversation import Conversation
     from tierlab.engine.events import TokenEvent
-    from tierlab.engine.expert_store import StoreStats
+    from tierlab.engine.expert_store import ResidencyState, StoreStats
     from tierlab.engine.knobs import Knobs
     from tierlab.engine.model import SequenceSnapshot
     from tierlab.engine.routing import Router
+    from tierlab.engine.tiering import TierOptions
     from tierlab.engine.tokenizer import Tokenizer
 
 
@@ -37,6 +38,10 @@ class EngineSurface(Protocol):
     heat: np.ndarray  # int64[L, E] routings since the last reset_meters
     timers: dict[str, float]  # seconds per phase, summed over all passes
     tokens_timed: int
+    tier_options: TierOptions  # the GPU tier settings the engine was opened with
+
+    @property
+    def fingerprint(self) -> str: ...  # the model's fingerprint (engine/fingerprint.py)
 
     # -- events --------------------------------------------------------------------
     def notice(self, text: str) -> None: ...
@@ -70,6 +75,9 @@ class EngineSurface(Protocol):
     def set_cache_slots(self, slots: int) -> None: ...
     def store_stats(self) -> StoreStats: ...
     def tier_description(self) -> dict | None: ...
+    def residency_state(self) -> ResidencyState: ...
+    def restore_residency(self, state: ResidencyState) -> None: ...
+    def freeze_heat_file(self) -> None: ...
 
     # -- meters and weights ------------------------------------------------------------
     def meters(self) -> dict: ...

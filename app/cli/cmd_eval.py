@@ -39,7 +39,8 @@ def run(args) -> int:
                 if log is not None:
                     done = "result" in locals()
                     log.close({"ids_match": f"{result['matching']}/{result['total']}", "tf_nll": result["tf_nll"]}
-                              if done else {"aborted": True})
+                              if done else {"aborted": True},
+                              stream=(prompt, result["generated"]) if done else None)
         finally:
             engine.close()  # writes HEAT_FILE on every way out: done, an error, ctrl+c, SIGTERM
     print_notices(engine)

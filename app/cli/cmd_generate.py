@@ -65,7 +65,8 @@ def _generate(args, engine, steps) -> Callable[[], None]:
     prompt_ids = tok.encode(text)
     if not prompt_ids:
         raise ModelError("the prompt encodes to no tokens")
-    log = EngineLog(engine, args.log, append=args.append) if args.log else None
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": 0, "seed": args.seed}
+    log = EngineLog(engine, args.log, append=args.append, sampling=sampling) if args.log else None
     out_ids: list[int] = []
     printed = ""
     eos = set(engine.eos_ids())
@@ -83,12 +84,12 @@ def _generate(args, engine, steps) -> Callable[[], None]:
             script.before(len(out_ids))  # the pass that predicts the next token runs with these knobs
     except BaseException:
         if log is not None:
-            log.close({"generated": len(out_ids), "aborted": True})
+            log.close({"generated": len(out_ids), "aborted": True}, stream=(prompt_ids, out_ids))
         raise
     meters = engine.meters()
     segments = script.finish(len(out_ids))
     if log is not None:
-        log.close({"generated": len(out_ids)})
+        log.close({"generated": len(out_ids)}, stream=(prompt_ids, out_ids))
 
     def report() -> None:
         if args.json:

@@ -1,11 +1,14 @@
 """A/B runs: rows of settings, one table.
 
-Protocol: every row starts cold (empty RAM cache, fresh router
-state); the first run of each row is a discarded warm-up whose routing
+Protocol: every run of every row starts from the same state (a clean arm,
+app/lab/arms.py: the residency and heat captured once when the row's engine
+opened, restored after a cold start; HEAT_FILE is never written); the first run of each row is a discarded warm-up whose routing
 meters are kept (they are deterministic); then `repeat` rounds run the rows
 interleaved, so a noisy neighbour hurts every row alike, and the timing
 columns are their median with a min-max band; finally each row
-teacher-forces the reference once for its TF-NLL.
+teacher-forces the reference once for its TF-NLL, paired token by token
+with the first row (the baseline: app/lab/paired.py) and judged by the
+quality gates (app/lab/gates.py).
 
 A knob script (`--knobs-at`) runs inside every run of every row, on top of
 the row's settings; a row keeps the segments of its warm-up run and of its
@@ -23,7 +26,10 @@ from pathlib import Path
 from typing import Callable
 
 from tierlab.engine.errors import TierlabError
-from tierlab.app.lab.evaluate import greedy_decode, teacher_forced_run
+from tierlab.app.lab.arms import ArmState
+from tierlab.app.lab.evaluate import greedy_decode
+from tierlab.app.lab.gates import Gates, GateVerdict, judge
+from tierlab.app.lab.paired import paired_metrics, trace_teacher_forced
 from tierlab.app.lab.oracle import SIZE_KEYS
 from tierlab.app.lab.knob_script import KnobStep
 from tierlab.engine.knobs import SPEC_BY_NAME, Knobs, KnobValues
@@ -34,6 +40,7 @@ from tierlab.engine.tiers.opencl_device import parse_budget
 ENGINE_SETTINGS = ("CACHE", "TIER", "TIER_GB", "TIER_DEVICE", "HEAT_FILE", "TIER_NO_WARMSTART")
 BAND_KEYS = tuple(key for key, _ in SIZE_KEYS)  # the oracle band's LRU figures in each row
 LEDGER_KEYS = ("prefetch_precision", "prefetch_recall", "prefetch_ahead", "prefetch_bytes_per_saved")
+PAIRED_KEYS = ("dnll", "dnll_lo", "dnll_hi", "agree", "kl_mean", "kl_p50", "kl_p99", "flips")
 
 
 @dataclass
@@ -56,6 +63,8 @@ class RowResult:
     tf_meters: dict = field(default_factory=dict)  # the routing meters of the teacher-forced run
     segments: list = field(default_factory=list)  # the warm-up run's segments (one per knob setting)
     tf_segments: list = field(default_factory=list)  # the teacher-forced run's segments
+    paired: dict = field(default_factory=dict)  # the TF run against the first row's (app/lab/paired.py)
+    verdict: GateVerdict | None = None  # the quality gates on `paired`
 
     def as_row(self, meters_from: str = "generation") -> dict:
         """A table row; `meters_from="teacher_forced"` takes hit rates and routing meters from the
@@ -76,6 +85,8 @@ class RowResult:
             "route_kl": m["route_kl"] if meters_on else None,
             "ids_match": f"{self.matching}/{self.total}",
             "tf_nll": self.tf_nll,
+            **{key: self.paired.get(key) for key in PAIRED_KEYS},
+            "gate": self.verdict.label() if self.verdict is not None else None,
             "segments": self.tf_segments if meters_from == "teacher_forced" else self.segments,
         }
 
@@ -116,7 +127,7 @@ def _check_engine_settings(text: str, engine: dict[str, str]) -> None:
         raise TierlabError(f"row {text!r}: {exc}") from None
 
 
-def _open(model_dir: Path, settings: tuple[tuple[str, str], ...]):
+def open_row_engine(model_dir: Path, settings: tuple[tuple[str, str], ...]):
     """An engine with a row's settings; its knobs start at their defaults (each run sets its own)."""
     env = dict(settings)
     cache = int(env["CACHE"]) if env.get("CACHE") else None
@@ -124,9 +135,10 @@ def _open(model_dir: Path, settings: tuple[tuple[str, str], ...]):
     return EngineOptions(model_dir, cache, tier, knobs_from_env=False).open(with_tokenizer=False)
 
 
-def _run_once(engine, spec: RowSpec, prompt, full, steps: list[KnobStep] | None) -> tuple[dict, list[int]]:
+def _run_once(engine, arm: ArmState, spec: RowSpec, prompt, full,
+              steps: list[KnobStep] | None) -> tuple[dict, list[int]]:
     engine.knobs = Knobs(spec.knobs)
-    engine.cold_start()
+    arm.restore(engine)
     generated, meters = greedy_decode(engine, prompt, len(full) - len(prompt), steps)
     return meters, generated
 
@@ -134,19 +146,25 @@ def _run_once(engine, spec: RowSpec, prompt, full, steps: list[KnobStep] | None)
 def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts: list[str], repeat: int = 3,
            default_engine: dict[str, str] | None = None, tf_nll: bool = True,
            progress: Callable[[str], None] = lambda s: None,
-           steps: list[KnobStep] | None = None) -> list[RowResult]:
-    """Run every row; returns one RowResult per row, in the order given."""
+           steps: list[KnobStep] | None = None, gates: Gates | None = None,
+           seed: int = 0) -> list[RowResult]:
+    """Run every row; returns one RowResult per row, in the order given. With `tf_nll`, each
+    row's teacher-forced run is paired with the first row's and judged by `gates`; `seed`
+    seeds the bootstrap of the Δ NLL interval."""
     specs = [parse_row(t, default_engine or {}) for t in row_texts]
     engines: dict = {}
+    arms: dict = {}
     try:
         for spec in specs:
             if spec.engine not in engines:
-                engines[spec.engine] = _open(Path(model_dir), spec.engine)
+                engines[spec.engine] = open_row_engine(Path(model_dir), spec.engine)
+                arms[spec.engine] = ArmState.capture(engines[spec.engine])
         results = [RowResult(s) for s in specs]
         reference = full[len(prompt):]
         for res in results:  # warm-up: discarded timings, kept routing meters
             progress(f"warm-up: {res.spec.label}")
-            meters, generated = _run_once(engines[res.spec.engine], res.spec, prompt, full, steps)
+            meters, generated = _run_once(engines[res.spec.engine], arms[res.spec.engine], res.spec, prompt, full,
+                                          steps)
             res.meters = meters
             res.segments = meters["segments"]
             res.total = len(reference)
@@ -154,18 +172,23 @@ def run_ab(model_dir: str | Path, prompt: list[int], full: list[int], row_texts:
         for r in range(repeat):
             for res in results:
                 progress(f"round {r + 1}/{repeat}: {res.spec.label}")
-                meters, _ = _run_once(engines[res.spec.engine], res.spec, prompt, full, steps)
+                meters, _ = _run_once(engines[res.spec.engine], arms[res.spec.engine], res.spec, prompt, full, steps)
                 res.tok_s.append(meters["tok_s"])
                 res.fetch_ms.append(meters["fetch_ms"])
                 res.compute_ms.append(meters["compute_ms"])
         if tf_nll:
+            baseline = None
             for res in results:
                 progress(f"TF-NLL: {res.spec.label}")
                 engine = engines[res.spec.engine]
                 engine.knobs = Knobs(res.spec.knobs)
-                engine.cold_start()
-                res.tf_nll, res.tf_meters = teacher_forced_run(engine, prompt, full, steps)
+                arms[res.spec.engine].restore(engine)
+                trace = trace_teacher_forced(engine, prompt, full, steps)
+                baseline = baseline or trace
+                res.tf_nll, res.tf_meters = trace.tf_nll, trace.meters
                 res.tf_segments = res.tf_meters["segments"]
+                res.paired = paired_metrics(baseline, trace, seed=seed)
+                res.verdict = judge(res.paired, gates or Gates())
         return results
     finally:
         for engine in engines.values():

@@ -31,6 +31,8 @@ COLUMNS: tuple[Meter, ...] = select(
     ("tok_s", "fetch_ms", "compute_ms", "ram_hit", "shadow_hit", "vram_hit", "oracle_hit", "swap", "route_agree", "route_kl",
      "ids_match", "tf_nll")
 )
+#: The quality-gate columns `ab` and `compare` add: the figures the gates judge and the verdict.
+GATE_COLUMNS: tuple[Meter, ...] = select(("dnll_hi", "agree", "kl_p99", "flips", "gate"))
 
 
 def _cell(column: Meter, value: Any) -> str:
@@ -47,16 +49,17 @@ def _cell(column: Meter, value: Any) -> str:
     return column.show(value)
 
 
-def table_cells(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+def table_cells(rows: Sequence[dict[str, Any]],
+                columns: Sequence[Meter] = COLUMNS) -> tuple[list[str], list[list[str]]]:
     """Titles and formatted cells, every column always (a missing figure is '–')."""
-    titles = ["row"] + [c.title for c in COLUMNS]
-    body = [[str(r.get("row", ""))] + [_cell(c, r.get(c.key)) for c in COLUMNS] for r in rows]
+    titles = ["row"] + [c.title for c in columns]
+    body = [[str(r.get("row", ""))] + [_cell(c, r.get(c.key)) for c in columns] for r in rows]
     return titles, body
 
 
-def render_text(rows: Sequence[dict[str, Any]]) -> str:
+def render_text(rows: Sequence[dict[str, Any]], columns: Sequence[Meter] = COLUMNS) -> str:
     """Aligned plain text: first column left, figures right."""
-    titles, body = table_cells(rows)
+    titles, body = table_cells(rows, columns)
     widths = [max(len(line[i]) for line in [titles, *body]) for i in range(len(titles))]
 
     def line(cells: list[str]) -> str:
@@ -66,8 +69,8 @@ def render_text(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join([line(titles), *(line(r) for r in body)])
 
 
-def render_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    titles, body = table_cells(rows)
+def render_markdown(rows: Sequence[dict[str, Any]], columns: Sequence[Meter] = COLUMNS) -> str:
+    titles, body = table_cells(rows, columns)
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" + "---:|" * (len(titles) - 1)]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
     return "\n".join(lines)

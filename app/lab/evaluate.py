@@ -114,13 +114,16 @@ def greedy_decode(engine: Engine, prompt: list[int], n: int,
 
 
 def teacher_forced_nll(engine: Engine, prompt: list[int], full: list[int],
-                       script: ScriptedRun | None = None) -> tuple[float, int]:
+                       script: ScriptedRun | None = None, on_logits=None) -> tuple[float, int]:
     """Mean NLL (nats/token) of full_ids after the prompt, feeding the reference tokens; a
-    `script` gets `before(T)` ahead of the pass that predicts reference token T."""
+    `script` gets `before(T)` ahead of the pass that predicts reference token T, and
+    `on_logits(T, logits)` hears the logits that predict it (paired runs: app/lab/paired.py)."""
     logits = engine.prefill(prompt)
     total = 0.0
     n = 0
     for i in range(len(prompt), len(full)):
+        if on_logits is not None:
+            on_logits(n, logits)
         total += log_softmax_nll(logits, full[i])
         n += 1
         if i + 1 < len(full):
@@ -131,14 +134,14 @@ def teacher_forced_nll(engine: Engine, prompt: list[int], full: list[int],
 
 
 def teacher_forced_run(engine: Engine, prompt: list[int], full: list[int],
-                       steps: list[KnobStep] | None = None) -> tuple[float, dict]:
+                       steps: list[KnobStep] | None = None, on_logits=None) -> tuple[float, dict]:
     """Teacher-forced NLL of a reference and the meters of that run (RunMeters.summary, with
-    its "segments")."""
+    its "segments"); `on_logits` as in teacher_forced_nll."""
     run = RunMeters(engine)
     script = ScriptedRun(engine, steps or [])
     count = 0
     try:
-        nll, count = teacher_forced_nll(engine, prompt, full, script)
+        nll, count = teacher_forced_nll(engine, prompt, full, script, on_logits)
     finally:
         segments = script.finish(count)
         run.close()
