@@ -24,6 +24,7 @@ import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, to_f32
 from tierlab.engine.config import ModelConfig
+from tierlab.engine.container import ChecksumMismatch
 from tierlab.engine.errors import ModelError
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.expert_store import ExpertStore, StoreStats
@@ -399,6 +400,9 @@ def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Kn
 
         try:
             warm_up(engine, progress)
+        except ChecksumMismatch:  # the warm-up's reads found a damaged blob: the model cannot load
+            engine.close()
+            raise
         except Exception as exc:  # the engine itself is intact: kernels then compile on first use
             engine.notice(f"kernel warm-up failed ({type(exc).__name__}: {exc}); kernels compile on first use")
         except BaseException:

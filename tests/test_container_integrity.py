@@ -250,3 +250,30 @@ def test_blob_writer_refuses_wrong_sizes_and_missing_blobs(tmp_path):
         src.read(0, 1, slot)
         assert (slot == blob).all()
     assert verify_container(tmp_path).damaged == []
+
+
+def _flip_every_blob(folder) -> None:
+    info = read_container_info(folder)
+    for layer in range(info.n_layers):
+        for expert in range(info.n_experts):
+            _flip(folder, info.blob_offset(layer, expert) + 11)
+
+
+def test_damaged_container_is_refused_when_the_warm_up_reads_it(copy):
+    _flip_every_blob(copy)
+    with pytest.raises(ChecksumMismatch) as exc:
+        load_engine(copy, with_tokenizer=False)
+    assert str(exc.value).startswith(f"{copy / EXPERTS_BIN}: layer ")
+
+
+from test_app import make_app, tiny_model, wait_for  # noqa: E402,F401 (the app fixtures)
+
+
+async def test_app_shows_a_damaged_container_as_a_notification(make_app, copy):
+    _flip_every_blob(copy)
+    app = make_app(model_dir=copy)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.sub_title == "no model")
+        assert app.is_running
+        assert any(EXPERTS_BIN in text and "checksum" in text and severity == "error"
+                   for text, severity in app.notes), app.notes
