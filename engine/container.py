@@ -247,13 +247,24 @@ def read_checksums(folder: str | Path, info: ContainerInfo) -> np.ndarray | None
     return np.frombuffer(data, dtype="<u8").reshape(info.n_layers, info.n_experts).copy()
 
 
+def container_info_for(cfg, bits: int, source: str = "", prefix: str = "", dense_bits: int = 0) -> ContainerInfo:
+    """The manifest of a container of this config's experts: layers one after another, blobs
+    `blob_stride` apart (no checksums yet: ExpertBlobWriter.finish adds them)."""
+    layout = BlobLayout(quant_kind(bits), cfg.hidden_size, cfg.moe_inter)
+    layer_bytes = layout.stride * cfg.n_experts
+    offsets = [layer * layer_bytes for layer in range(cfg.n_layers)]
+    return ContainerInfo(bits, GROUP, cfg.n_layers, cfg.n_experts, cfg.hidden_size, cfg.moe_inter, layout.nbytes,
+                         layout.stride, offsets, source, prefix, dense_bits)
+
+
 class ExpertBlobWriter:
     """Writes experts.bin blob by blob, with each blob's checksum, for any container writer.
 
-    The one way a container's experts are written (convert, make-synthetic, the
-    benchmarks), so every container has the same layout and checksums::
+    The one way a container's experts are written (convert, make-synthetic), so
+    every container has the same layout and checksums::
 
-        with ExpertBlobWriter(folder, info) as w:    # info: the container's ContainerInfo
+        info = container_info_for(cfg, bits, source, prefix)
+        with ExpertBlobWriter(folder, info) as w:
             for layer ...: for expert ...: w.add(layer, expert, blob)
         info = w.info                                 # finish() filled the checksum fields
         write_manifest(folder, info)                  # after dense.safetensors is written
@@ -592,13 +603,7 @@ def convert(
         raise ModelError(str(exc), model_dir / "config.json") from None
     _check_out_dir(out, force, model_dir)
     ckpt = Checkpoint(model_dir, cfg)
-    layout = BlobLayout(quant_kind(bits), cfg.hidden_size, cfg.moe_inter)
-    layer_bytes = layout.stride * cfg.n_experts
-    offsets = [layer * layer_bytes for layer in range(cfg.n_layers)]
-    info = ContainerInfo(
-        bits, group, cfg.n_layers, cfg.n_experts, cfg.hidden_size, cfg.moe_inter, layout.nbytes, layout.stride,
-        offsets, str(model_dir.resolve()), ckpt.prefix, dense_bits,
-    )
+    info = container_info_for(cfg, bits, str(model_dir.resolve()), ckpt.prefix, dense_bits)
 
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():  # an interrupted convert's: _check_out_dir checked it holds PARTIAL_MARK
