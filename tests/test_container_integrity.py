@@ -120,6 +120,16 @@ def test_flipped_byte_stops_generate_naming_layer_and_expert(copy):
     assert damaged == [f"{copy / EXPERTS_BIN}: layer {layer} expert {expert}: checksum mismatch"]
 
 
+def test_flipped_byte_is_found_with_prefetch_and_a_small_cache(copy):
+    """PILOT's background reads and a cache that evicts: the damaged blob still stops the run."""
+    _, heat = _greedy(copy)
+    layer, expert = 5, int(np.argmax(heat[5]))
+    _flip(copy, read_container_info(copy).blob_offset(layer, expert) + 3)
+    proc = run_cli("generate", "--model", str(copy), "--prompt", PROMPT_TEXT, "-n", "12", "--cache", "4",
+                   "--pilot", "1")
+    _assert_one_line_error(proc, f"layer {layer} expert {expert}:", "checksum")
+
+
 def test_a_blob_is_hashed_on_its_first_read_only(copy):
     info = read_container_info(copy)
     slot = np.empty(info.blob_nbytes, dtype=np.uint8)
