@@ -60,6 +60,27 @@ def read_pass_us(folder: Path) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def pread_and_hash_us(folder: Path, passes: int = 7) -> tuple[float, float]:
+    """Least microseconds per blob of a plain pread of every blob, and of pread + hash, over `passes`."""
+    info = read_container_info(folder)
+    view = memoryview(np.empty(info.blob_nbytes, dtype=np.uint8))
+    blobs = [info.blob_offset(layer, expert) for layer in range(info.n_layers) for expert in range(info.n_experts)]
+    fd = os.open(folder / EXPERTS_BIN, os.O_RDONLY)
+    best = [float("inf"), float("inf")]
+    try:
+        for _ in range(passes):
+            for i, hashed in enumerate((False, True)):
+                t = time.perf_counter()
+                for offset in blobs:
+                    os.preadv(fd, [view], offset)
+                    if hashed:
+                        blob_hash(view)
+                best[i] = min(best[i], (time.perf_counter() - t) / len(blobs) * 1e6)
+    finally:
+        os.close(fd)
+    return best[0], best[1]
+
+
 def load_cpu_ms(folder: Path, loads: int = 25) -> float:
     """Least process CPU time of `loads` loads (CPU time: what other processes on the machine do not add)."""
     from tierlab.engine.model import load_engine
@@ -107,6 +128,8 @@ def main() -> None:
         h = statistics.median(hashes)
         print(f"xxh3_64 of one {info.blob_nbytes:,}-byte blob: {h * 1e6:.0f} us ({info.blob_nbytes / h / 1e9:.1f} GB/s); "
               f"all {info.n_layers * info.n_experts} blobs once: {h * info.n_layers * info.n_experts * 1e3:.1f} ms")
+        plain, hashed = pread_and_hash_us(args.container)
+        print(f"pread of a blob {plain:.0f} us, pread + hash {hashed:.0f} us (least of 7 passes)")
         load_cpu_ms(twin, 2)
         print(f"load: {load_cpu_ms(twin):.2f} ms CPU without checksums, {load_cpu_ms(args.container):.2f} ms with "
               f"(then {load_cpu_ms(twin):.2f} and {load_cpu_ms(args.container):.2f})")
