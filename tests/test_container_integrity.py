@@ -276,7 +276,7 @@ def test_damaged_container_is_refused_when_the_warm_up_reads_it(copy):
     assert str(exc.value).startswith(f"{copy / EXPERTS_BIN}: layer ")
 
 
-from test_app import make_app, tiny_model, wait_for  # noqa: E402,F401 (the app fixtures)
+from test_app import ask, make_app, ready, tiny_model, wait_for  # noqa: E402,F401 (the app fixtures)
 
 
 async def test_app_shows_a_damaged_container_as_a_notification(make_app, copy):
@@ -286,4 +286,15 @@ async def test_app_shows_a_damaged_container_as_a_notification(make_app, copy):
         await wait_for(pilot, lambda: app.sub_title == "no model")
         assert app.is_running
         assert any(EXPERTS_BIN in text and "checksum" in text and severity == "error"
+                   for text, severity in app.notes), app.notes
+
+
+async def test_app_shows_a_blob_damaged_mid_session_as_a_notification(make_app, copy):
+    app = make_app(model_dir=copy)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        _flip_every_blob(copy)  # after loading: only blobs this process has not read yet are checked
+        await ask(pilot, "tell me a story", max_tokens=8)
+        assert app.is_running and not app.generating
+        assert any(EXPERTS_BIN in text and "does not match its checksum" in text and severity == "error"
                    for text, severity in app.notes), app.notes
