@@ -23,15 +23,16 @@ from typing import Callable, Iterator
 import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, to_f32
-from tierlab.engine.config import ModelConfig, load_config
+from tierlab.engine.config import ModelConfig
+from tierlab.engine.container import ChecksumMismatch
 from tierlab.engine.errors import ModelError
 from tierlab.engine.events import TokenEvent
-from tierlab.engine.expert_source import RawExpertSource
 from tierlab.engine.expert_store import ExpertStore, ResidencyState, StoreStats
 from tierlab.engine.heat_log import HeatLog
 from tierlab.engine.kernels.dense import linear, rmsnorm
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.meters import MeterFold, read_store_counters
+from tierlab.engine.model_files import open_model_files
 from tierlab.engine.models import ARCHITECTURES
 from tierlab.engine.moe import DenseBlock, MoEBlock
 from tierlab.engine.prefetch import Pilot, RouterHead
@@ -39,7 +40,6 @@ from tierlab.engine.qlinear import QuantMatrix, RowStack
 from tierlab.engine.sampling import Sampler
 from tierlab.engine.tiering import TierOptions
 
-CONTAINER_MANIFEST = "tierlab_container.json"
 TIMER_NAMES = ("attention", "deltanet", "router", "fetch", "compute", "shared", "tier", "pilot", "lm_head", "other")
 
 
@@ -473,15 +473,6 @@ class _PassContext:
         engine.heat_log.record(layer, chosen)
 
 
-def open_expert_source(model_dir: Path, cfg: ModelConfig):
-    """The experts of a model folder: a quantised container, else the checkpoint itself."""
-    if (model_dir / CONTAINER_MANIFEST).exists():
-        from tierlab.engine.container import ContainerExpertSource
-
-        return ContainerExpertSource(model_dir)
-    return None
-
-
 def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Knobs | None = None,
                 with_tokenizer: bool = True, tier: TierOptions | None = None, warmup: bool = True,
                 progress=None) -> Engine:
@@ -491,16 +482,8 @@ def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Kn
     on-disk cache) before this returns (engine/warmup.py); `progress(done, total, label,
     compiled)` hears each step."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelError("not a folder", model_dir)
-    cfg = load_config(model_dir)
-    source = open_expert_source(model_dir, cfg)
-    if source is not None:
-        ckpt = Checkpoint(model_dir, cfg, weight_files=["dense.safetensors"])
-        _check_container_dims(source, cfg, model_dir)
-    else:
-        ckpt = Checkpoint(model_dir, cfg)
-        source = RawExpertSource(ckpt)
+    files = open_model_files(model_dir)  # the checks `tierlab inspect` runs too
+    cfg, ckpt, source = files.config, files.checkpoint, files.source
     tokenizer = None
     if with_tokenizer and (model_dir / "tokenizer.json").exists():
         from tierlab.engine.tokenizer import Tokenizer
@@ -516,17 +499,12 @@ def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Kn
 
         try:
             warm_up(engine, progress)
+        except ChecksumMismatch:  # the warm-up's reads found a damaged blob: the model cannot load
+            engine.close()
+            raise
         except Exception as exc:  # the engine itself is intact: kernels then compile on first use
             engine.notice(f"kernel warm-up failed ({type(exc).__name__}: {exc}); kernels compile on first use")
         except BaseException:
             engine.close()
             raise
     return engine
-
-
-def _check_container_dims(source, cfg: ModelConfig, model_dir: Path) -> None:
-    if (source.hidden, source.inter) != (cfg.hidden_size, cfg.moe_inter):
-        raise ModelError(
-            f"container experts are {source.hidden}x{source.inter} but config.json says "
-            f"{cfg.hidden_size}x{cfg.moe_inter}", model_dir / CONTAINER_MANIFEST)
-

@@ -174,7 +174,7 @@ def test_metadata_and_alignment(containers):
     assert (info.n_layers, info.n_experts, info.hidden, info.inter, info.bits, info.group) == (LAYERS, EXPERTS, HIDDEN, INTER, 4, 64)
     assert info.blob_stride % 4096 == 0 and all(o % 4096 == 0 for o in info.layer_offsets)
     raw = json.loads((containers["fused_vl", 4] / CONTAINER_JSON).read_text())
-    assert raw["format"] == "tierlab-experts" and raw["version"] == 1 and raw["blob_nbytes"] == BlobLayout("int4", HIDDEN, INTER).nbytes
+    assert raw["format"] == "tierlab-experts" and raw["version"] == 2 and raw["blob_nbytes"] == BlobLayout("int4", HIDDEN, INTER).nbytes
 
 
 def test_refuses_to_overwrite_without_force(checkpoints, tmp_path, capsys):
@@ -203,7 +203,7 @@ def test_truncated_experts_bin_is_a_one_line_error(containers, tmp_path):
     msg = str(exc.value)
     assert "\n" not in msg and EXPERTS_BIN in msg and "truncated" in msg
     proc = subprocess.run([sys.executable, "-m", "tierlab", "inspect", str(folder)], capture_output=True, text=True)
-    assert proc.returncode == 0  # inspect still summarises it
+    assert proc.returncode == 2 and "truncated" in proc.stderr  # inspect refuses what loading refuses
 
 
 def test_bad_metadata_is_a_one_line_error(containers, tmp_path):

@@ -55,5 +55,6 @@ def run(args: argparse.Namespace) -> int:
     total = info.n_layers * info.n_experts * info.blob_stride
     dense = f"dense projections int{info.dense_bits}" if info.dense_bits else "dense tensors as in the source"
     print(f"wrote {args.out}: {info.n_layers} layers x {info.n_experts} experts, int{info.bits}, "
-          f"{info.blob_nbytes / 2**20:.2f} MiB per expert, {total / 2**30:.2f} GiB of experts; {dense}")
+          f"{info.blob_nbytes / 2**20:.2f} MiB per expert, {total / 2**30:.2f} GiB of experts; {dense}; "
+          f"{info.checksum} checksums (`tierlab inspect --verify` checks them)")
     return 0
