@@ -215,29 +215,85 @@ class MetersPanel(Vertical):
             row.show(history.latest, history.values(row.spec.key) if sparklines else None)
 
 
+PLOT_AXES_WIDTH = 14
+"""Columns the plot's two tick-label axes take at most; the rest is the canvas the labels share."""
+PLOT_FRAME_ROWS = 4
+"""Rows of the plot outside its canvas: title, top and bottom frame, the token axis."""
+LABEL_LEVELS = 3
+"""Rows from the top of the canvas that knob-change labels may use."""
+
+
+@dataclass(frozen=True)
+class PlacedLabel:
+    """A knob change's label where the plot writes it: canvas row from the top, and its text."""
+
+    token: int
+    level: int
+    text: str
+
+
+def place_labels(marks: Iterable[KnobMark], first: int, last: int, columns: int,
+                 levels: int = LABEL_LEVELS) -> list[PlacedLabel]:
+    """Labels that never overlap: each on the highest row where it clears the labels already
+    there by a column, shortened to the canvas edge; one that fits nowhere is left to its line."""
+    span = max(last - first, 1)
+    per_column = span / max(columns - 1, 1)
+    taken: list[list[tuple[int, int]]] = [[] for _ in range(levels)]
+    placed = []
+    for mark in sorted(marks, key=lambda m: m.token):
+        if not first <= mark.token <= last:
+            continue
+        start = round((mark.token - first) / per_column)
+        room = columns - start
+        text = mark.label if len(mark.label) <= room else mark.label[: max(room - 1, 0)] + "…"
+        if room < 2:
+            continue
+        end = start + len(text)
+        for level, spans in enumerate(taken):
+            if all(end + 1 <= a or start >= b + 1 for a, b in spans):
+                spans.append((start, end))
+                placed.append(PlacedLabel(mark.token, level, text))
+                break
+    return placed
+
+
 class MeterPlot(PlotextPlot):
-    """Hit rates and tokens/s over tokens, with a vertical line at each knob change."""
+    """Hit rates and tokens/s over tokens, with a vertical line at each knob change.
+
+    The title is the legend (which series is on which axis), so no legend box covers the
+    curves, and the knob changes' labels are placed so that none covers another.
+    """
 
     DEFAULT_CSS = """
     MeterPlot { height: 1fr; min-height: 6; }
     """
 
+    TITLE = "left: RAM hit rate %{vram} · right: tok/s · │ knob change"
+
     def show(self, history: MeterHistory) -> None:
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
-        plt.title("hit rate % and tok/s over tokens")
         tokens = list(history.tokens)
+        vram = bool(tokens) and any(history.values("vram_hit"))
+        plt.title(self.TITLE.format(vram=", VRAM %" if vram else ""))
         if tokens:
-            plt.plot(tokens, history.values("ram_hit"), label="RAM hit %", marker="braille", color="cyan")
-            if any(history.values("vram_hit")):
-                plt.plot(tokens, history.values("vram_hit"), label="VRAM hit %", marker="braille", color="green")
-            plt.plot(tokens, history.values("tok_s"), label="tok/s", marker="braille", color="orange", yside="right")
-            first = tokens[0]
+            plt.plot(tokens, history.values("ram_hit"), marker="braille", color="cyan")
+            if vram:
+                plt.plot(tokens, history.values("vram_hit"), marker="braille", color="green")
+            plt.plot(tokens, history.values("tok_s"), marker="braille", color="orange", yside="right")
+            first, last = tokens[0], max(tokens[-1], tokens[0] + 1)
             for mark in history.marks:
-                if mark.token >= first:  # a vertical line (a two-point series) and the change's label
+                if mark.token >= first:  # a vertical line (a two-point series)
                     plt.plot([mark.token, mark.token], [0, 100], marker="braille", color="magenta")
-                    plt.text(mark.label, mark.token, 96, color="magenta", alignment="left")
-            plt.xlim(first, max(tokens[-1], first + 1))
+            rows = max(self.size.height - PLOT_FRAME_ROWS, 1)
+            columns = max(self.size.width - PLOT_AXES_WIDTH, 1)
+            for label in place_labels(history.marks, first, last, columns, min(LABEL_LEVELS, rows)):
+                height = 100 - (label.level + 0.5) * 100 / rows
+                plt.text(label.text, label.token, height, color="magenta", alignment="left")
+            plt.xlim(first, last)
         plt.ylim(0, 100, yside="left")
+        self.refresh()
+
+    def on_resize(self) -> None:
         self.refresh()

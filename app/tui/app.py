@@ -27,6 +27,7 @@ from textual.widgets import Button, Footer
 from tierlab.app.cli.errors import error_line
 from tierlab.app.tui.chat import ChatMessage, ChatPane
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
+from tierlab.app.tui.keys import key_label, keys_for_action
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
@@ -76,14 +77,14 @@ class TierlabApp(App):
     """As in `App`, but without repainting the whole screen on each change: only the header shows it."""
 
     BINDINGS = [
-        Binding("f1,question_mark", "help", "Help", key_display="F1"),
+        Binding("f1,question_mark", "help", "Help"),
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+r", "toggle_recording", "Record"),
         Binding("r", "toggle_recording", "Record", show=False),
         Binding("f2", "heat_inspector", "Heat"),
         Binding("f3", "sessions", "Sessions"),
         Binding("f4", "save_heat", "Save heat", show=False),
-        Binding("f5", "cycle_meter_window", "Meter window", key_display="F5"),
+        Binding("f5", "cycle_meter_window", "Meter window"),
         Binding("w", "cycle_meter_window", "Meter window", show=False),
         Binding("f6", "reset_knobs", "Reset knobs", show=False),
         Binding("ctrl+l", "clear_chat", "Clear"),
@@ -92,6 +93,7 @@ class TierlabApp(App):
         Binding("f8", "focus('knobs')", "Knobs", show=False),
         Binding("f9", "focus('prompt')", "Prompt", show=False),
         Binding("ctrl+q", "quit", "Quit"),
+        Binding("q", "quit", "Quit", show=False),
     ]
 
     def __init__(
@@ -627,26 +629,50 @@ class TierlabApp(App):
 
     # -- command palette -------------------------------------------------------
 
+    def get_key_display(self, binding: Binding) -> str:
+        """Keys in one style in the footer and everywhere else (app/tui/keys.py)."""
+        return binding.key_display or key_label(binding.key)
+
+    def _command(self, title: str, help: str, callback, action: str | None = None) -> SystemCommand:
+        """A palette command whose help names its key, when it has one."""
+        keys = keys_for_action(self.BINDINGS, action) if action else ""
+        return SystemCommand(title, f"{help} · key {keys}" if keys else help, callback)
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("Help: keys and panes", "Show every key binding", self.action_help)
-        yield SystemCommand("Stop generation", "Stop the reply after the current token", self.action_stop)
-        yield SystemCommand("Clear conversation", "Forget the chat and the sequence state", self.action_clear_chat)
-        yield SystemCommand("Toggle chat / raw completion", "Chat template or plain text completion", self.action_toggle_raw)
-        yield SystemCommand("Toggle recording", "Start or stop a session log", self.action_toggle_recording)
-        yield SystemCommand("Reset knobs to defaults", "All routing knobs and the RAM cache size", self.action_reset_knobs)
-        yield SystemCommand("Heat profile inspector", "Open, compare and save heat profiles", self.action_heat_inspector)
-        yield SystemCommand("Sessions and A/B", "Recorded session logs and A/B tables", self.action_sessions)
-        yield SystemCommand("Save session heat", "Write this session's routing counts", self.action_save_heat)
-        yield SystemCommand("Heatmap: next view", "Residency, heat, this token, swaps", self._cycle_heatmap_mode)
-        yield SystemCommand("Heatmap: fold / scroll", "How experts beyond the width are shown", self._cycle_heatmap_fold)
+        for command in super().get_system_commands(screen):
+            if command.title == "Quit":
+                command = command._replace(help=f"{command.help} · key {keys_for_action(self.BINDINGS, 'quit')}")
+            yield command
+        yield self._command("Help: keys and panes", "Show every key binding", self.action_help, "help")
+        yield self._command("Stop generation", "Stop the reply after the current token", self.action_stop, "stop")
+        yield self._command("Clear conversation", "Forget the chat and the sequence state", self.action_clear_chat,
+                            "clear_chat")
+        yield self._command("Toggle chat / raw completion", "Chat template or plain text completion",
+                            self.action_toggle_raw, "toggle_raw")
+        yield self._command("Toggle recording", "Start or stop a session log", self.action_toggle_recording,
+                            "toggle_recording")
+        yield self._command("Reset knobs to defaults", "All routing knobs and the RAM cache size",
+                            self.action_reset_knobs, "reset_knobs")
+        yield self._command("Heat profile inspector", "Open, compare and save heat profiles",
+                            self.action_heat_inspector, "heat_inspector")
+        yield self._command("Sessions and A/B", "Recorded session logs and A/B tables", self.action_sessions,
+                            "sessions")
+        yield self._command("Save session heat", "Write this session's routing counts", self.action_save_heat,
+                            "save_heat")
+        yield self._command("Meter window: next", "Last N tokens, since the knob change, since start",
+                            self.action_cycle_meter_window, "cycle_meter_window")
+        yield SystemCommand("Heatmap: next view", "Residency, heat, this token, swaps · key m (heatmap)",
+                            self._cycle_heatmap_mode)
+        yield SystemCommand("Heatmap: fold / scroll", "How experts beyond the width are shown · key f (heatmap)",
+                            self._cycle_heatmap_fold)
         yield SystemCommand("Toggle CACHE_ROUTE", "Cache-aware routing on/off (from the next token)",
                             lambda: self._toggle_knob("CACHE_ROUTE"))
         for mode in SPEC_BY_NAME["ROUTE_MODE"].choices or ():
             yield SystemCommand(f"ROUTE_MODE = {mode}", "Routing strategy (from the next token)",
                                 lambda m=mode: self._set_knob_from_command("ROUTE_MODE", m))
         for name in ("heatmap", "knobs", "prompt"):
-            yield SystemCommand(f"Focus {name}", f"Move the keyboard focus to the {name}", lambda n=name: self.action_focus(n))
+            yield self._command(f"Focus {name}", f"Move the keyboard focus to the {name}",
+                                lambda n=name: self.action_focus(n), f"focus('{name}')")
 
     def _toggle_knob(self, name: str) -> None:
         if self.engine is not None:

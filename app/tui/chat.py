@@ -6,6 +6,7 @@ job, so the pane never touches the engine.
 
 from __future__ import annotations
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
@@ -13,6 +14,9 @@ from textual.widgets import Input, Static
 
 from tierlab.widgets.knob import Knob, KnobSwitch
 
+
+PROMPT_HINT = "Ask something… (Enter sends, Esc stops, ? help)"
+NO_TOKENIZER_HINT = "no tokenizer.json: this model cannot chat (the heatmap and knobs still work)"
 
 GROW_LINES = 6
 """Lines a streaming reply grows by when its text needs more room."""
@@ -64,6 +68,24 @@ class ChatMessage(Static):
         return False
 
 
+PANE_KEYS = ("?", "q")
+"""Keys that act as the app's keys (help, quit) while the prompt is empty, as in htop or k9s."""
+
+
+class PromptInput(Input):
+    """The prompt: `?` and `q` type only into a prompt that already has text; on an empty
+    prompt they reach the app's bindings (help, quit)."""
+
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        if character in PANE_KEYS and not self.value:
+            return False
+        return super().check_consume_key(key, character)
+
+    def on_key(self, event: events.Key) -> None:
+        if event.character in PANE_KEYS and not self.value:
+            event.prevent_default()  # not typed: the key goes on to the app's bindings
+
+
 class ChatPane(Vertical):
     """Conversation, prompt input and generation settings."""
 
@@ -97,7 +119,7 @@ class ChatPane(Vertical):
                        help="stop the reply after this many new tokens")
             yield KnobSwitch("raw mode", False, default=False, id="raw-mode",
                              help="complete the prompt as plain text instead of a chat turn")
-        yield Input(placeholder="Ask something… (Enter sends, Esc stops)", id="prompt")
+        yield PromptInput(placeholder=PROMPT_HINT, id="prompt")
 
     @property
     def raw_mode(self) -> bool:
