@@ -46,6 +46,25 @@ HEAT_RAMP = ("#161b22", "#2d1b4e", "#58207a", "#8e2c7d", "#c53e6b", "#ea6a4a", "
 LEVEL_NAMES = {LEVEL_DISK: "disk", LEVEL_RAM: "RAM cache", LEVEL_GPU: "GPU tier"}
 
 
+@dataclass(frozen=True)
+class TierNames:
+    """What the first residency level is called: a GPU, or an OpenCL CPU device (PoCL), which
+    is a tier of the same kind but no GPU."""
+
+    level: str = "GPU tier"
+    short: str = "GPU"
+    meter: str = "VRAM hit"
+
+
+GPU_TIER = TierNames()
+CPU_TIER = TierNames("OpenCL CPU tier", "CL-CPU", "tier hit")
+
+
+def tier_names(report: dict | None) -> TierNames:
+    """The names for the tier an engine reports (`tier_description()`), by its OpenCL device type."""
+    return CPU_TIER if report and report.get("cpu_device") else GPU_TIER
+
+
 @dataclass
 class HeatmapData:
     """What the heatmap shows: one value per (layer, expert) for each view."""
@@ -127,15 +146,18 @@ def cell_colors(data: HeatmapData, mode: str) -> np.ndarray:
     return colors
 
 
-LEGENDS = {
-    "residency": [(LEVEL_COLORS[2], "GPU"), (LEVEL_COLORS[1], "RAM"), (LEVEL_COLORS[0], "disk"),
-                  (CHOSEN_COLORS[2], "now GPU"), (CHOSEN_COLORS[1], "now RAM"), (CHOSEN_COLORS[0], "miss"),
-                  (SWAPPED_COLOR, "swap")],
-    "heat": [(HEAT_RAMP[1], "cold"), (HEAT_RAMP[4], "warm"), (HEAT_RAMP[-1], "hottest in layer"), (HEAT_RAMP[0], "never")],
-    "token": [(CHOSEN_COLORS[2], "GPU"), (CHOSEN_COLORS[1], "RAM hit"), (CHOSEN_COLORS[0], "disk miss"),
-              (SWAPPED_COLOR, "swapped in")],
-    "swaps": [(HEAT_RAMP[2], "few swaps"), (HEAT_RAMP[-1], "most swaps"), (SWAPPED_COLOR, "swapped now")],
-}
+def legend_entries(mode: str, tier: TierNames = GPU_TIER) -> list[tuple[str, str]]:
+    """(colour, meaning) for each colour of a view mode."""
+    return {
+        "residency": [(LEVEL_COLORS[2], tier.short), (LEVEL_COLORS[1], "RAM"), (LEVEL_COLORS[0], "disk"),
+                      (CHOSEN_COLORS[2], f"now {tier.short}"), (CHOSEN_COLORS[1], "now RAM"), (CHOSEN_COLORS[0], "miss"),
+                      (SWAPPED_COLOR, "swap")],
+        "heat": [(HEAT_RAMP[1], "cold"), (HEAT_RAMP[4], "warm"), (HEAT_RAMP[-1], "hottest in layer"),
+                 (HEAT_RAMP[0], "never")],
+        "token": [(CHOSEN_COLORS[2], tier.short), (CHOSEN_COLORS[1], "RAM hit"), (CHOSEN_COLORS[0], "disk miss"),
+                  (SWAPPED_COLOR, "swapped in")],
+        "swaps": [(HEAT_RAMP[2], "few swaps"), (HEAT_RAMP[-1], "most swaps"), (SWAPPED_COLOR, "swapped now")],
+    }[mode]
 
 
 @dataclass(frozen=True)
@@ -211,6 +233,8 @@ class ExpertHeatmap(Widget, can_focus=True):
         """What an empty heatmap says."""
         if profile:
             self.set_reactive(ExpertHeatmap.mode, "heat")
+        self.tier = GPU_TIER
+        """What the first residency level is called (`tier_names`)."""
         self.x_offset = 0
         self.y_offset = 0
         self.redraw_count = 0
@@ -470,7 +494,7 @@ class ExpertHeatmap(Widget, can_focus=True):
             return f"L{layer} E{expert} · heat {heat:,}{share}"
         parts = [
             f"L{layer} E{expert}",
-            LEVEL_NAMES.get(level, f"level {level}"),
+            self.tier.level if level == LEVEL_GPU else LEVEL_NAMES.get(level, f"level {level}"),
             f"heat {heat:,}{share}",
             f"last use #{last}" if last >= 0 else "never used",
         ]
@@ -583,7 +607,7 @@ class ExpertHeatmap(Widget, can_focus=True):
             text.append("\n")
         legend_style = self.get_component_rich_style("heatmap--legend")
         legend = Text(f"{self.mode}: ", legend_style, no_wrap=True)
-        for color, label in LEGENDS[self.mode]:
+        for color, label in legend_entries(self.mode, self.tier):
             legend.append("■", Style(color=color))
             legend.append(f"{label} ", legend_style)
         info = Text(self.info_text(), self.get_component_rich_style("heatmap--info"), no_wrap=True)

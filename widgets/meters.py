@@ -64,7 +64,8 @@ class MeterHistory:
     """Meter values per token, plus where knobs changed.
 
     ``latest`` holds the last values as given (fractions, None = no samples);
-    ``series`` the drawn history in the unit shown (percent for rates, 0 where missing).
+    ``series`` the drawn history in the unit shown (percent for rates, 0 where missing, for
+    the sparklines); ``present`` says which of those had samples (the plot draws only those).
     """
 
     limit: int = HISTORY
@@ -72,6 +73,7 @@ class MeterHistory:
     series: dict[str, deque] = field(default_factory=dict)
     latest: dict[str, float | None] = field(default_factory=dict)
     marks: list[KnobMark] = field(default_factory=list)
+    present: dict[str, deque] = field(default_factory=dict)
 
     def add(self, token: int, meters: Mapping[str, float]) -> None:
         """Record one token's meters."""
@@ -80,6 +82,7 @@ class MeterHistory:
             value = meters.get(spec.key)
             shown = spec.scaled(float(value)) if value is not None else 0.0
             self.series.setdefault(spec.key, deque(maxlen=self.limit)).append(shown)
+            self.present.setdefault(spec.key, deque(maxlen=self.limit)).append(value is not None)
         self.latest = {key: None if value is None else float(value) for key, value in meters.items()
                        if value is None or isinstance(value, (int, float))}
 
@@ -96,6 +99,7 @@ class MeterHistory:
         series = self.series.get(key)
         if series:
             series[-1] = METER_BY_KEY[key].scaled(float(value)) if value is not None else 0.0
+            self.present[key][-1] = value is not None
 
     def mark(self, token: int, label: str) -> None:
         """Remember a knob change at `token`."""
@@ -109,12 +113,20 @@ class MeterHistory:
             series={key: deque(values, maxlen=values.maxlen) for key, values in self.series.items()},
             latest=dict(self.latest),
             marks=list(self.marks),
+            present={key: deque(flags, maxlen=flags.maxlen) for key, flags in self.present.items()},
         )
 
     def values(self, key: str) -> list[float]:
         return list(self.series.get(key, ()))
 
+    def points(self, key: str) -> tuple[list[int], list[float]]:
+        """(tokens, values) of the tokens where the meter had samples: no line where it had none."""
+        flags = self.present.get(key, ())
+        pairs = [(t, v) for t, v, ok in zip(self.tokens, self.series.get(key, ()), flags) if ok]
+        return [t for t, _ in pairs], [v for _, v in pairs]
+
     def clear(self) -> None:
+        self.present.clear()
         self.tokens.clear()
         self.series.clear()
         self.latest.clear()
@@ -205,6 +217,10 @@ class MetersPanel(Vertical):
         for spec in METERS:
             yield MeterRow(spec)
 
+    def name_tier(self, label: str) -> None:
+        """Call the tier's hit meter `label` ("VRAM hit" on a GPU, "tier hit" on an OpenCL CPU device)."""
+        self.query_one("#meter-vram_hit .meter--label", Label).update(label)
+
     def show(self, history: MeterHistory, *, sparklines: bool = True) -> None:
         """Draw the latest values and, with `sparklines`, the recent past from `history`.
 
@@ -269,19 +285,24 @@ class MeterPlot(PlotextPlot):
     """
 
     TITLE = "left: RAM hit rate %{vram} · right: tok/s · │ knob change"
+    tier_meter = "VRAM hit"
+    """The tier's hit meter as the plot names it (`tier hit` for an OpenCL CPU device)."""
 
     def show(self, history: MeterHistory) -> None:
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
         tokens = list(history.tokens)
-        vram = bool(tokens) and any(history.values("vram_hit"))
-        plt.title(self.TITLE.format(vram=", VRAM %" if vram else ""))
+        vram = history.points("vram_hit")
+        plt.title(self.TITLE.format(vram=f", {self.tier_meter} %" if vram[0] else ""))
         if tokens:
-            plt.plot(tokens, history.values("ram_hit"), marker="braille", color="cyan")
-            if vram:
-                plt.plot(tokens, history.values("vram_hit"), marker="braille", color="green")
-            plt.plot(tokens, history.values("tok_s"), marker="braille", color="orange", yside="right")
+            for key, color in (("ram_hit", "cyan"), ("vram_hit", "green")):
+                xs, ys = history.points(key)
+                if xs:
+                    plt.plot(xs, ys, marker="braille", color=color)
+            xs, ys = history.points("tok_s")
+            if xs:
+                plt.plot(xs, ys, marker="braille", color="orange", yside="right")
             first, last = tokens[0], max(tokens[-1], tokens[0] + 1)
             for mark in history.marks:
                 if mark.token >= first:  # a vertical line (a two-point series)

@@ -25,7 +25,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer
 
 from tierlab.app.cli.errors import error_line
-from tierlab.app.tui.chat import ChatMessage, ChatPane
+from tierlab.app.tui.chat import NO_TOKENIZER_HINT, ChatMessage, ChatPane, looks_like_code
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.keys import key_label, keys_for_action
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
@@ -34,7 +34,7 @@ from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
 from tierlab.engine.meters import RECENT_TOKENS
 from tierlab.engine.options import EngineOptions, first_run_slots
 from tierlab.engine.surface import EngineSurface
-from tierlab.widgets.heatmap import ExpertHeatmap
+from tierlab.widgets.heatmap import ExpertHeatmap, tier_names
 from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch
 from tierlab.widgets.meters import MeterPlot, MetersPanel, band_line
 from tierlab.widgets.title_bar import TitleBar
@@ -159,7 +159,7 @@ class TierlabApp(App):
             else:
                 names = ", ".join(sorted(self.available_themes))
                 self.notify(f"no theme {self.start_theme!r}; themes: {names}", severity="warning", timeout=10)
-        self.query_one("#chat").border_title = "Chat"
+        self._title_chat()
         self.query_one("#heatmap").border_title = "Experts"
         self.query_one("#knobs").border_title = "Knobs"
         self.query_one("#meters-box").border_title = "Meters"
@@ -234,16 +234,24 @@ class TierlabApp(App):
         self._initial_slots = slots
         self.query_one(KnobsPanel).configure(int(config.top_k), int(config.n_experts), slots)
         self.query_one(KnobsPanel).show(engine.knobs.snapshot(), slots)
+        names = tier_names(engine.tier_description())
+        self.query_one(ExpertHeatmap).tier = names
+        self.query_one(MetersPanel).name_tier(names.meter)
+        self.query_one(MeterPlot).tier_meter = names.meter
         self.refresh_views(force=True)
         self._update_subtitle()
         if self.tier and engine.tier_description() is None:
             self.notify("no GPU tier: running from RAM and disk only", severity="warning")
         tokenizer = engine.tokenizer
         if tokenizer is None:
+            prompt = self.query_one("#prompt")
+            prompt.placeholder = NO_TOKENIZER_HINT
+            prompt.disabled = True
             self.notify("this model has no tokenizer.json: chat is off", severity="warning")
         elif getattr(tokenizer, "chat_template", True) is None:
             self.query_one(ChatPane).raw_mode = True
             self.notify("this model has no chat template: raw completion mode", severity="warning")
+        self._title_chat()
         self._show_engine_notices()
 
     def _show_engine_notices(self) -> None:
@@ -260,6 +268,9 @@ class TierlabApp(App):
             f"{config.n_layers}L × {config.n_experts}E top-{config.top_k}",
             self._cache_text(),
         ]
+        tier = self._tier_text()
+        if tier:
+            parts.append(tier)
         if self.watch is not None:
             parts.append(f"{self.watch.tokens_seen} tok")
         if self.generating:
@@ -267,6 +278,22 @@ class TierlabApp(App):
         if self.recorder is not None:
             parts.append("● REC")
         self.sub_title = " · ".join(parts)
+
+    def _tier_text(self) -> str:
+        """`GPU tier 96 experts` or `OpenCL CPU tier 96 experts` while a tier is attached; '' without."""
+        report = self.engine.tier_description()
+        if report is None:
+            return ""
+        return f"{tier_names(report).level} {report.get('capacity', 0)} experts"
+
+    def _title_chat(self) -> None:
+        """The chat pane's title says which mode the next prompt runs in."""
+        chat = self.query_one(ChatPane)
+        if self.engine is not None and self.engine.tokenizer is None:
+            mode = "no tokenizer"
+        else:
+            mode = "raw completion" if chat.raw_mode else "chat (template)"
+        chat.border_title = f"Chat · {mode}"
 
     def _cache_text(self) -> str:
         """`cache 12/32 · 4.5 MiB`: RAM slots per layer of the expert count, and the RAM they
@@ -332,6 +359,9 @@ class TierlabApp(App):
         if self.generating:
             self.notify("still answering; Esc stops it", severity="warning")
             return
+        if not chat.raw_mode and looks_like_code(event.text):
+            self.notify("this looks like code: ^T (or the raw mode switch) completes it as plain text "
+                        "instead of a chat turn", title="Chat mode", timeout=6)
         if chat.raw_mode:
             chat.add("user", event.text)
             self._begin_reply(event.text, chat.add("raw"))
@@ -469,6 +499,8 @@ class TierlabApp(App):
         chat.raw_mode = not chat.raw_mode
         self.notify("raw completion mode" if chat.raw_mode else "chat mode (chat template)", timeout=2)
 
+
+
     # -- knobs ---------------------------------------------------------------
 
     def set_engine_knob(self, name: str, value: object) -> None:
@@ -547,7 +579,9 @@ class TierlabApp(App):
             self.set_cache_slots(int(event.value))
 
     def on_knob_switch_changed(self, event: KnobSwitch.Changed) -> None:
-        if event.knob_name == "ROUTE_AGREE":
+        if event.knob_name == "raw mode":
+            self._title_chat()
+        elif event.knob_name == "ROUTE_AGREE":
             self.set_engine_knob("ROUTE_AGREE", "1" if event.value else "auto")
         elif event.knob_name in SPEC_BY_NAME:
             self.set_engine_knob(event.knob_name, event.value)

@@ -18,6 +18,16 @@ from tierlab.widgets.knob import Knob, KnobSwitch
 PROMPT_HINT = "Ask something… (Enter sends, Esc stops, ? help)"
 NO_TOKENIZER_HINT = "no tokenizer.json: this model cannot chat (the heatmap and knobs still work)"
 
+CODE_STARTS = ("def ", "class ", "import ", "from ", "#include", "fn ", "function ", "package ", "public ", "<?php")
+CODE_MARKS = ("```", "):\n", ") {", "};", "=>", "</")
+
+
+def looks_like_code(text: str) -> bool:
+    """Is a prompt source code to be continued, which chat mode would answer in prose?"""
+    stripped = text.lstrip()
+    return stripped.startswith(CODE_STARTS) or any(mark in text for mark in CODE_MARKS)
+
+
 GROW_LINES = 6
 """Lines a streaming reply grows by when its text needs more room."""
 
