@@ -28,6 +28,8 @@ from textual.widget import Widget
 from tierlab.engine.events import LEVEL_DISK, LEVEL_GPU, LEVEL_RAM
 
 MODES = ("residency", "heat", "token", "swaps")
+DIFF_MODE = "diff"
+"""Two heat profiles' difference (A − B, in hundredths of a percent of each layer's routings): heat screen only."""
 FOLDS = ("auto", "fold", "scroll")
 GUTTER = 4
 """Columns for the row labels (the even layer of each row)."""
@@ -42,6 +44,8 @@ LEVEL_COLORS = {LEVEL_DISK: "#30363d", LEVEL_RAM: "#1f6feb", LEVEL_GPU: "#238636
 CHOSEN_COLORS = {LEVEL_DISK: "#ff7b72", LEVEL_RAM: "#79c0ff", LEVEL_GPU: "#7ee787"}
 SWAPPED_COLOR = "#f778ba"
 CURSOR_COLOR = "#ffffff"
+DIFF_RAMP_MORE = ("#161b22", "#3b2a12", "#7a4b12", "#c77d1a", "#f7b955")
+DIFF_RAMP_LESS = ("#161b22", "#12283b", "#125a7a", "#1a8fc7", "#55c8f7")
 HEAT_RAMP = ("#161b22", "#2d1b4e", "#58207a", "#8e2c7d", "#c53e6b", "#ea6a4a", "#f7a23b", "#fbe26a")
 LEVEL_NAMES = {LEVEL_DISK: "disk", LEVEL_RAM: "RAM cache", LEVEL_GPU: "GPU tier"}
 
@@ -128,6 +132,12 @@ def heat_fraction(counts: np.ndarray) -> np.ndarray:
 
 def cell_colors(data: HeatmapData, mode: str) -> np.ndarray:
     """The colour of every (layer, expert) cell in a view mode, as an object array of hex strings."""
+    if mode == DIFF_MODE:
+        delta = data.heat.astype(np.float64)
+        peak = np.maximum(np.abs(delta).max(axis=1, keepdims=True), 1.0)
+        more = ramp_colors(np.clip(delta / peak, 0, 1), DIFF_RAMP_MORE)
+        less = ramp_colors(np.clip(-delta / peak, 0, 1), DIFF_RAMP_LESS)
+        return np.where(delta < 0, less, more)
     if mode == "heat":
         return ramp_colors(heat_fraction(data.heat))
     if mode == "swaps":
@@ -157,6 +167,8 @@ def legend_entries(mode: str, tier: TierNames = GPU_TIER) -> list[tuple[str, str
         "token": [(CHOSEN_COLORS[2], tier.short), (CHOSEN_COLORS[1], "RAM hit"), (CHOSEN_COLORS[0], "disk miss"),
                   (SWAPPED_COLOR, "swapped in")],
         "swaps": [(HEAT_RAMP[2], "few swaps"), (HEAT_RAMP[-1], "most swaps"), (SWAPPED_COLOR, "swapped now")],
+        DIFF_MODE: [(DIFF_RAMP_MORE[-1], "more in A"), (DIFF_RAMP_MORE[2], "a little more in A"), (BLANK, "same"),
+                    (DIFF_RAMP_LESS[2], "a little more in B"), (DIFF_RAMP_LESS[-1], "more in B")],
     }[mode]
 
 
@@ -490,6 +502,8 @@ class ExpertHeatmap(Widget, can_focus=True):
         total = int(data.heat[layer].sum())
         share = f" ({100 * heat / total:.1f}%)" if total else ""
         last = int(data.last_use[layer, expert])
+        if self.mode == DIFF_MODE:
+            return f"L{layer} E{expert} · A − B {heat / 100:+.2f} points of the layer's routings"
         if self.profile:
             return f"L{layer} E{expert} · heat {heat:,}{share}"
         parts = [

@@ -611,10 +611,13 @@ class TierlabApp(App):
             self.push_screen(HelpScreen())
 
     def action_heat_inspector(self) -> None:
+        """The one heat inspector: opened again, it still holds the profiles it had."""
         from tierlab.app.tui.heat_screen import HeatInspector
 
+        if not self.is_screen_installed("heat-inspector"):
+            self.install_screen(HeatInspector(initial=self.heat_path), "heat-inspector")
         if not isinstance(self.screen, HeatInspector):
-            self.push_screen(HeatInspector(initial=self.heat_path))
+            self.push_screen("heat-inspector")
 
     def action_sessions(self) -> None:
         from tierlab.app.tui.sessions_screen import SessionsScreen
