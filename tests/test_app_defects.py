@@ -201,10 +201,10 @@ async def test_switches_say_on_and_the_chat_title_says_the_mode(make_app):
         await pilot.pause()
         assert str(agree.query_one(".knob-switch--state").render()).strip().startswith("on")
         chat = app.query_one(ChatPane)
-        assert chat.border_title == "Chat · chat (template)"
+        assert chat.border_title == "Chat · chat mode"
         await pilot.press("ctrl+t")
         await pilot.pause()
-        assert chat.border_title == "Chat · raw completion"
+        assert chat.border_title == "Chat · raw mode"
         await pilot.press("ctrl+t")
         prompt = app.query_one("#prompt", Input)
         prompt.value = "def parse(path):"

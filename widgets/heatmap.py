@@ -557,6 +557,9 @@ class ExpertHeatmap(Widget, can_focus=True):
                     chars[offset: offset + len(label)] = label
         return "".join(chars)
 
+    def _show_position(self, text: str) -> None:
+        self.border_subtitle = text
+
     def _append_cells(self, text: Text, colors: np.ndarray, line: GridLine, glyph: str,
                       cursor_expert: int, cursor_layer: int) -> None:
         """One row of cells; neighbours of one colour are appended as one run (a 256-expert row
@@ -593,8 +596,8 @@ class ExpertHeatmap(Widget, can_focus=True):
         cursor_layer, cursor_expert = self.cursor
         show_cursor = self.has_focus
         subtitle = self.position_text()
-        if self.border_subtitle != subtitle:
-            self.border_subtitle = subtitle
+        if self.border_subtitle != subtitle:  # the border is drawn apart from the content: after this frame
+            self.call_after_refresh(self._show_position, subtitle)
         lines = self.grid_lines()
         layout = self.layout()
         folded = layout.folded
