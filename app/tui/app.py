@@ -292,7 +292,7 @@ class TierlabApp(App):
         if self.engine is not None and self.engine.tokenizer is None:
             mode = "no tokenizer"
         else:
-            mode = "raw completion" if chat.raw_mode else "chat (template)"
+            mode = "raw mode" if chat.raw_mode else "chat mode"
         chat.border_title = f"Chat · {mode}"
 
     def _cache_text(self) -> str:
