@@ -43,3 +43,25 @@ def test_a_bad_model_or_knob_is_one_line_before_the_screen_opens(monkeypatch, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ROUTE_J" in err[0]
     assert opened == []
+
+
+def test_heat_show_help_names_the_format_the_app_writes(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        cli.main(["heat", "show", "--help"])
+    out = capsys.readouterr().out
+    assert ".heat" in out and ".bin" not in out
+
+
+def test_eval_says_why_it_exits_1_with_the_lever_on(monkeypatch, capsys):
+    monkeypatch.setenv("CACHE_ROUTE", "1")
+    monkeypatch.setenv("ROUTE_J", "1")
+    ref = str(tierlab.ASSETS_DIR / "tiny-moe" / "ref.json")
+    assert cli.main(["eval", "--ref", ref, "--cache", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "exit 1:" in err and "greedy ids match the reference" in err
+
+
+def test_sessions_folder_is_ignored_by_git():
+    assert "tierlab-sessions/" in (REPO / ".gitignore").read_text().split()
