@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 from textual.app import App, ComposeResult
 
+import tierlab
+from test_app import make_app, ready, tiny_model  # noqa: F401  (fixtures)
 from tierlab.widgets.heatmap import GUTTER, ExpertHeatmap, HeatmapData
 
 
@@ -125,3 +127,33 @@ async def test_hovering_a_shared_row_names_both_layers():
         info = heatmap.info_text()
         upper, lower = info.split("|")
         assert upper.strip().startswith("L2 E5") and lower.strip().startswith("L3 E5")
+
+
+async def test_every_layer_of_the_shipped_model_is_drawn_at_80x24(make_app):
+    app = make_app(model_dir=tierlab.ASSETS_DIR / "tiny-moe", cache_slots=12)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await pilot.pause()
+        heatmap = app.query_one(ExpertHeatmap)
+        assert drawn_layers(heatmap) == set(range(8))  # layers 6 and 7 too
+        assert heatmap.position_text() == ""
+        await pilot.resize_terminal(220, 60)
+        await pilot.pause()
+        assert heatmap.render().plain.startswith("exp")  # the ruler, and one row per layer
+        assert row_layers(heatmap) == list(range(8))
+
+
+async def test_a_40x256_model_in_the_app_says_which_layers_are_in_view(make_app, model_40x256):
+    app = make_app(model_dir=model_40x256, cache_slots=96)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        await pilot.pause(0.2)
+        heatmap = app.query_one(ExpertHeatmap)
+        assert str(heatmap.border_subtitle).startswith("layers 0–") and "of 40 ▼" in str(heatmap.border_subtitle)
+        heatmap.focus()
+        for _ in range(39):
+            await pilot.press("down")
+        await pilot.pause(0.2)
+        assert 39 in drawn_layers(heatmap) and "▲" in str(heatmap.border_subtitle)
+        heatmap.hover = None
+        assert heatmap.info_text().startswith("L39 E0")
