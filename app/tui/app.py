@@ -499,8 +499,6 @@ class TierlabApp(App):
         chat.raw_mode = not chat.raw_mode
         self.notify("raw completion mode" if chat.raw_mode else "chat mode (chat template)", timeout=2)
 
-
-
     # -- knobs ---------------------------------------------------------------
 
     def set_engine_knob(self, name: str, value: object) -> None:
