@@ -15,7 +15,7 @@ class PlotApp(App):
 def crowded_history() -> MeterHistory:
     history = MeterHistory()
     for token in range(40):
-        history.add(token, {"ram_hit": 0.5 + token / 100, "vram_hit": 0.0, "tok_s": 12.0 + token % 5})
+        history.add(token, {"ram_hit": 0.5 + token / 100, "vram_hit": None, "tok_s": 12.0 + token % 5})
     for token, label in ((2, "cache=8"), (20, "CACHE_ROUTE=1"), (21, "cache=32"), (23, "ROUTE_LAMBDA=0.2")):
         history.mark(token, label)
     return history
@@ -49,3 +49,12 @@ def test_label_placement_never_overlaps_and_stays_on_the_canvas():
     # a fourth label at the start fits on no row; one on the last column has no room at all
     assert {label.token for label in placed} == {0, 1, 2, 30, 36}
     assert [(label.level, label.text) for label in placed if label.token == 36] == [(1, "K36…")]
+
+
+def test_a_meter_without_samples_draws_no_line():
+    history = MeterHistory()
+    for token in range(10):
+        history.add(token, {"ram_hit": None if token < 4 else 0.5, "vram_hit": None, "tok_s": 10.0})
+    assert history.points("ram_hit") == (list(range(4, 10)), [50.0] * 6)
+    assert history.points("vram_hit") == ([], [])
+    assert history.values("ram_hit")[:4] == [0.0] * 4  # the sparkline's floor, not a plotted value
