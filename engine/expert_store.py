@@ -203,7 +203,7 @@ class ExpertStore:
         if tier is None:
             return
         self._tier = tier
-        self._tier_report = {"device": tier.device_label, "capacity": tier.capacity}
+        self._tier_report = {"device": tier.device_label, "capacity": tier.capacity, "cpu_device": tier.is_cpu_device}
         if opts.warmstart:
             self._warm(tier, plan_file)
 

@@ -49,3 +49,11 @@ def oracle_models(tmp_path_factory):
         "qwen3_moe": (q3, om.save(q3, root / "qwen3_moe")),
         "qwen3_5_moe_fused_vl": (q35, om.write_fused_vl(q35, root / "qwen3_5_moe_fused_vl")),
     }
+
+
+@pytest.fixture(scope="session")
+def model_40x256(tmp_path_factory) -> Path:
+    """A 40-layer × 256-expert Qwen3-MoE at tiny widths (tests/app_models.py): the app at real scale."""
+    from app_models import build_wide_moe
+
+    return build_wide_moe(tmp_path_factory.mktemp("wide") / "synthetic-40x256")

@@ -303,7 +303,8 @@ async def test_ab_screen_builds_a_table_from_two_logs(make_app, tmp_path):
         assert len(screen.logs) == 2
         table = screen.query_one("#sessions-list", DataTable)
         listed = [[str(c) for c in table.get_row_at(i)] for i in range(2)]
-        assert "CACHE_ROUTE=1" in listed[0][2] and listed[1][2] == "lever off"  # newest first
+        assert "CACHE_ROUTE=1" in listed[0][2] and listed[1][2].startswith("lever off")  # newest first
+        assert all(row[2].endswith("cache 6/16") for row in listed)  # the RAM cache is part of the start
         assert all(int(row[3].replace(",", "")) > 0 for row in listed)
         table.move_cursor(row=1)
         await pilot.press("a")
@@ -531,7 +532,7 @@ async def test_tier_without_a_matching_device_says_why(make_app, monkeypatch):
         assert not (app.query_one(ExpertHeatmap).data.levels == 2).any()
 
 
-def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch):
+def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch, tiny_model):
     import tierlab
     from tierlab.app.cli import main as cli
 
@@ -539,15 +540,16 @@ def test_tierlab_alone_opens_the_app_on_the_shipped_model(monkeypatch):
     monkeypatch.setattr(TierlabApp, "run", lambda self, *a, **k: opened.append(self))
     assert cli.main([]) == 0
     assert opened and opened[0].model_dir == tierlab.ASSETS_DIR / "tiny-moe"
-    assert cli.main(["app", "--model", "/somewhere", "--cache", "3", "--tier", "--heat", "h.heat", "--max-tokens", "9",
+    somewhere = str(tierlab.ASSETS_DIR / "tiny-moe-8x2")
+    assert cli.main(["app", "--model", somewhere, "--cache", "3", "--tier", "--heat", "h.heat", "--max-tokens", "9",
                      "--theme", "nord"]) == 0
     app = opened[-1]
     assert (str(app.model_dir), app.options.cache, app.tier, str(app.heat_path), app.max_tokens, app.start_theme) == (
-        "/somewhere", 3, True, "h.heat", 9, "nord")
+        somewhere, 3, True, "h.heat", 9, "nord")
     # options alone open the app, and the app takes every command's knob flags
-    assert cli.main(["--model", "/elsewhere", "--route-j", "1", "--cache-route", "1"]) == 0
+    assert cli.main(["--model", str(tiny_model), "--route-j", "1", "--cache-route", "1"]) == 0
     app = opened[-1]
-    assert str(app.model_dir) == "/elsewhere"
+    assert str(app.model_dir) == str(tiny_model)
     assert (app.options.knobs["ROUTE_J"], app.options.knobs["CACHE_ROUTE"]) == ("1", "1")
     assert cli.main(["--meter-window", "8"]) == 0 and opened[-1].meter_window == 8
     assert cli.main(["--meter-window", "0"]) == 2  # one line, no app

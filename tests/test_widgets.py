@@ -192,7 +192,7 @@ def test_cell_colors_follow_residency_choice_and_swaps():
 async def test_heatmap_draws_two_layers_per_row_with_half_blocks():
     data = sample_data()
     app = HeatmapApp(data)
-    async with app.run_test(size=(40, 12)) as pilot:
+    async with app.run_test(size=(40, 5)) as pilot:  # too short for one layer per row
         heatmap = app.query_one(ExpertHeatmap)
         app.set_focus(None)
         await pilot.pause()
@@ -237,7 +237,7 @@ async def test_heatmap_cursor_keys_and_info_line():
 
 async def test_heatmap_hover_and_click_pick_cells():
     app = HeatmapApp(sample_data())
-    async with app.run_test(size=(40, 12)) as pilot:
+    async with app.run_test(size=(40, 5)) as pilot:  # two layers per row
         heatmap = app.query_one(ExpertHeatmap)
         cell = heatmap.cell_width
         assert cell == 4  # 8 experts in 36 columns: drawn 4 columns wide
@@ -281,8 +281,8 @@ async def test_256_experts_fold_into_bands():
         lines = heatmap.render().plain.split("\n")
         headers = [line for line in lines if line.startswith("exp")]
         assert len(headers) == 3
-        # every expert appears exactly once per layer pair
-        cells = sum(line.count("▀") for line in lines if line[:3].strip().isdigit() and line[3] == " " and line.startswith("  0"))
+        # every expert appears exactly once per row (3 bands of 8 layers fit: one layer per row)
+        cells = sum(line.count("█") + line.count("▀") for line in lines if line[:3].strip().isdigit() and line[3] == " " and line.startswith("  0"))
         assert cells == 256
         heatmap.focus()
         await pilot.press("end")
@@ -368,7 +368,7 @@ async def test_heatmap_shows_per_layer_hit_rates_when_there_is_room():
     data = sample_data(4, 8)
     data.layer_hit = np.array([88.0, 41.0, np.nan, 100.0])
     app = HeatmapApp(data)
-    async with app.run_test(size=(60, 12)) as pilot:
+    async with app.run_test(size=(60, 5)) as pilot:  # two layers per row
         heatmap = app.query_one(ExpertHeatmap)
         assert heatmap.shows_side
         lines = heatmap.render().plain.split("\n")

@@ -1,10 +1,13 @@
-"""The expert heatmap: every expert of every layer on one screen.
+"""The expert heatmap: layers x experts, every cell reachable.
 
-Two layers share a terminal row through the upper half block (`▀`): the
-foreground paints layer 2i, the background layer 2i+1, so 48 layers fit in
-24 rows. When the experts do not fit across, the grid either scrolls
-sideways or folds into bands stacked vertically. Redraws are throttled,
-because the engine produces tokens faster than anyone can read them.
+When the pane is tall enough each layer has its own row (`█`); otherwise
+two layers share a row through the upper half block (`▀`): the foreground
+paints layer 2i, the background layer 2i+1. When the experts do not fit
+across, the grid either scrolls sideways or folds into bands stacked
+vertically; when the lines do not fit down, it scrolls, and the pane's
+bottom border says which layers (and band) are in view ("layers 0–19 ▼").
+The expert ruler is drawn when the rows leave room for it. Redraws are
+throttled, because the engine produces tokens faster than anyone can read them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from textual.widget import Widget
 from tierlab.engine.events import LEVEL_DISK, LEVEL_GPU, LEVEL_RAM
 
 MODES = ("residency", "heat", "token", "swaps")
+DIFF_MODE = "diff"
+"""Two heat profiles' difference (A − B, in hundredths of a percent of each layer's routings): heat screen only."""
 FOLDS = ("auto", "fold", "scroll")
 GUTTER = 4
 """Columns for the row labels (the even layer of each row)."""
@@ -39,8 +44,29 @@ LEVEL_COLORS = {LEVEL_DISK: "#30363d", LEVEL_RAM: "#1f6feb", LEVEL_GPU: "#238636
 CHOSEN_COLORS = {LEVEL_DISK: "#ff7b72", LEVEL_RAM: "#79c0ff", LEVEL_GPU: "#7ee787"}
 SWAPPED_COLOR = "#f778ba"
 CURSOR_COLOR = "#ffffff"
+DIFF_RAMP_MORE = ("#161b22", "#3b2a12", "#7a4b12", "#c77d1a", "#f7b955")
+DIFF_RAMP_LESS = ("#161b22", "#12283b", "#125a7a", "#1a8fc7", "#55c8f7")
 HEAT_RAMP = ("#161b22", "#2d1b4e", "#58207a", "#8e2c7d", "#c53e6b", "#ea6a4a", "#f7a23b", "#fbe26a")
 LEVEL_NAMES = {LEVEL_DISK: "disk", LEVEL_RAM: "RAM cache", LEVEL_GPU: "GPU tier"}
+
+
+@dataclass(frozen=True)
+class TierNames:
+    """What the first residency level is called: a GPU, or an OpenCL CPU device (PoCL), which
+    is a tier of the same kind but no GPU."""
+
+    level: str = "GPU tier"
+    short: str = "GPU"
+    meter: str = "VRAM hit"
+
+
+GPU_TIER = TierNames()
+CPU_TIER = TierNames("OpenCL CPU tier", "CL-CPU", "tier hit")
+
+
+def tier_names(report: dict | None) -> TierNames:
+    """The names for the tier an engine reports (`tier_description()`), by its OpenCL device type."""
+    return CPU_TIER if report and report.get("cpu_device") else GPU_TIER
 
 
 @dataclass
@@ -82,6 +108,12 @@ def half_block_style(top: str, bottom: str) -> Style:
     return Style(color=top, bgcolor=bottom)
 
 
+@lru_cache(maxsize=256)
+def solid_style(color: str) -> Style:
+    """One cell filled with `color` (one layer per row)."""
+    return Style(color=color)
+
+
 def ramp_colors(values: np.ndarray, ramp: tuple[str, ...] = HEAT_RAMP) -> np.ndarray:
     """Map values in [0, 1] onto a colour ramp; exact zeros stay on the ramp's first colour."""
     steps = len(ramp) - 1
@@ -100,6 +132,12 @@ def heat_fraction(counts: np.ndarray) -> np.ndarray:
 
 def cell_colors(data: HeatmapData, mode: str) -> np.ndarray:
     """The colour of every (layer, expert) cell in a view mode, as an object array of hex strings."""
+    if mode == DIFF_MODE:
+        delta = data.heat.astype(np.float64)
+        peak = np.maximum(np.abs(delta).max(axis=1, keepdims=True), 1.0)
+        more = ramp_colors(np.clip(delta / peak, 0, 1), DIFF_RAMP_MORE)
+        less = ramp_colors(np.clip(-delta / peak, 0, 1), DIFF_RAMP_LESS)
+        return np.where(delta < 0, less, more)
     if mode == "heat":
         return ramp_colors(heat_fraction(data.heat))
     if mode == "swaps":
@@ -118,25 +156,41 @@ def cell_colors(data: HeatmapData, mode: str) -> np.ndarray:
     return colors
 
 
-LEGENDS = {
-    "residency": [(LEVEL_COLORS[2], "GPU"), (LEVEL_COLORS[1], "RAM"), (LEVEL_COLORS[0], "disk"),
-                  (CHOSEN_COLORS[2], "now GPU"), (CHOSEN_COLORS[1], "now RAM"), (CHOSEN_COLORS[0], "miss"),
-                  (SWAPPED_COLOR, "swap")],
-    "heat": [(HEAT_RAMP[1], "cold"), (HEAT_RAMP[4], "warm"), (HEAT_RAMP[-1], "hottest in layer"), (HEAT_RAMP[0], "never")],
-    "token": [(CHOSEN_COLORS[2], "GPU"), (CHOSEN_COLORS[1], "RAM hit"), (CHOSEN_COLORS[0], "disk miss"),
-              (SWAPPED_COLOR, "swapped in")],
-    "swaps": [(HEAT_RAMP[2], "few swaps"), (HEAT_RAMP[-1], "most swaps"), (SWAPPED_COLOR, "swapped now")],
-}
+def legend_entries(mode: str, tier: TierNames = GPU_TIER) -> list[tuple[str, str]]:
+    """(colour, meaning) for each colour of a view mode."""
+    return {
+        "residency": [(LEVEL_COLORS[2], tier.short), (LEVEL_COLORS[1], "RAM"), (LEVEL_COLORS[0], "disk"),
+                      (CHOSEN_COLORS[2], f"now {tier.short}"), (CHOSEN_COLORS[1], "now RAM"), (CHOSEN_COLORS[0], "miss"),
+                      (SWAPPED_COLOR, "swap")],
+        "heat": [(HEAT_RAMP[1], "cold"), (HEAT_RAMP[4], "warm"), (HEAT_RAMP[-1], "hottest in layer"),
+                 (HEAT_RAMP[0], "never")],
+        "token": [(CHOSEN_COLORS[2], tier.short), (CHOSEN_COLORS[1], "RAM hit"), (CHOSEN_COLORS[0], "disk miss"),
+                  (SWAPPED_COLOR, "swapped in")],
+        "swaps": [(HEAT_RAMP[2], "few swaps"), (HEAT_RAMP[-1], "most swaps"), (SWAPPED_COLOR, "swapped now")],
+        DIFF_MODE: [(DIFF_RAMP_MORE[-1], "more in A"), (DIFF_RAMP_MORE[2], "a little more in A"), (BLANK, "same"),
+                    (DIFF_RAMP_LESS[2], "a little more in B"), (DIFF_RAMP_LESS[-1], "more in B")],
+    }[mode]
 
 
 @dataclass(frozen=True)
 class GridLine:
-    """One line of the grid area: a ruler ("header") or a row of two layers."""
+    """One line of the grid area: a ruler ("header") or a row of one or two layers."""
 
     kind: str
     first_expert: int
     last_expert: int  # exclusive
-    row: int = 0  # row index = layer pair (layers 2*row, 2*row+1)
+    top: int = 0  # the layer of the row (the upper half when two share it)
+    bottom: int = -1  # the layer of the lower half, -1 when the row holds one layer
+    band: int = 0  # which band of experts (0 unless folded)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the grid fits the pane: folded into bands or not, layers per row, rulers or not."""
+
+    folded: bool
+    per_row: int  # 1 or 2 layers per terminal row
+    ruler: bool
 
 
 class ExpertHeatmap(Widget, can_focus=True):
@@ -191,9 +245,13 @@ class ExpertHeatmap(Widget, can_focus=True):
         """What an empty heatmap says."""
         if profile:
             self.set_reactive(ExpertHeatmap.mode, "heat")
+        self.tier = GPU_TIER
+        """What the first residency level is called (`tier_names`)."""
         self.x_offset = 0
         self.y_offset = 0
         self.redraw_count = 0
+        self._hover_pair: int | None = None
+        """The lower layer of the row under the mouse when two layers share it."""
         self._dirty = False
         self._colors: np.ndarray | None = None
 
@@ -279,31 +337,68 @@ class ExpertHeatmap(Widget, can_focus=True):
         """Lines for the grid: everything but the legend and the info line."""
         return max(1, self.size.height - 2)
 
-    def is_folded(self) -> bool:
-        if self.data is None or self.fold == "scroll":
-            return False
-        if self.fold == "fold":
-            return True
+    def layout(self) -> Layout:
+        """The densest-but-readable fit: every layer and expert on screen if any fit allows it,
+        preferring one layer per row, then folded bands, then the ruler; otherwise the lines scroll."""
+        if self.data is None:
+            return Layout(False, 2, True)
         n_layers, n_experts = self.data.shape
+        height = self.grid_height
         bands = math.ceil(n_experts / self.experts_across)
-        return bands > 1 and bands * (math.ceil(n_layers / 2) + 1) <= self.grid_height
+        pairs = math.ceil(n_layers / 2)
+        fold_ok = self.fold != "scroll" and bands > 1
+        if self.fold == "fold" or (fold_ok and bands * (pairs + 1) <= height):
+            per_row = 1 if bands * (n_layers + 1) <= height else 2
+            return Layout(True, per_row, True)
+        if n_layers + 1 <= height:
+            return Layout(False, 1, True)
+        if pairs + 1 <= height:
+            return Layout(False, 2, True)
+        return Layout(False, 2, pairs > height)
+
+    def is_folded(self) -> bool:
+        return self.layout().folded
 
     def grid_lines(self) -> list[GridLine]:
         """Every line of the grid, before vertical scrolling."""
         if self.data is None:
             return []
         n_layers, n_experts = self.data.shape
-        rows = math.ceil(n_layers / 2)
-        if self.is_folded():
+        layout = self.layout()
+        if layout.folded:
             across = self.experts_across
             bands = [(start, min(n_experts, start + across)) for start in range(0, n_experts, across)]
         else:
             bands = [(self.x_offset, min(n_experts, self.x_offset + self.experts_across))]
         lines = []
-        for first, last in bands:
-            lines.append(GridLine("header", first, last))
-            lines.extend(GridLine("row", first, last, row) for row in range(rows))
+        for band, (first, last) in enumerate(bands):
+            if layout.ruler:
+                lines.append(GridLine("header", first, last, band=band))
+            for top in range(0, n_layers, layout.per_row):
+                bottom = top + 1 if layout.per_row == 2 and top + 1 < n_layers else -1
+                lines.append(GridLine("row", first, last, top, bottom, band))
         return lines
+
+    def position_text(self) -> str:
+        """Which layers (and band) the pane shows when not every line fits, e.g. "layers 32–39 ▲",
+        "band 2/3 · layers 0–19 ▼"; empty when everything is in view."""
+        lines = self.grid_lines()
+        if len(lines) <= self.grid_height:
+            return ""
+        visible = [line for line in lines[self.y_offset: self.y_offset + self.grid_height] if line.kind == "row"]
+        if not visible:
+            return ""
+        n_layers = self.data.shape[0]  # type: ignore[union-attr]
+        first, last = visible[0], visible[-1]
+        low, high = first.top, max(last.top, last.bottom)
+        arrows = ("▲" if self.y_offset > 0 else "") + ("▼" if self.y_offset + self.grid_height < len(lines) else "")
+        text = f"layers {low}–{high} of {n_layers} {arrows}"
+        if self.layout().folded:
+            n_bands = lines[-1].band + 1
+            bands = sorted({line.band + 1 for line in visible})
+            which = str(bands[0]) if len(bands) == 1 else f"{bands[0]}–{bands[-1]}"
+            text = f"band {which}/{n_bands} · {text}"
+        return text
 
     def _scroll_to_cursor(self) -> None:
         if self.data is None or not self.size.width:
@@ -314,10 +409,11 @@ class ExpertHeatmap(Widget, can_focus=True):
                 self.x_offset = expert
             elif expert >= self.x_offset + self.experts_across:
                 self.x_offset = expert - self.experts_across + 1
+        ruler = 1 if self.layout().ruler else 0
         for index, line in enumerate(self.grid_lines()):
-            if line.kind == "row" and line.row == layer // 2 and line.first_expert <= expert < line.last_expert:
-                if index < self.y_offset + 1:
-                    self.y_offset = max(0, index - 1)
+            if line.kind == "row" and layer in (line.top, line.bottom) and line.first_expert <= expert < line.last_expert:
+                if index < self.y_offset + ruler:
+                    self.y_offset = max(0, index - ruler)
                 elif index >= self.y_offset + self.grid_height:
                     self.y_offset = index - self.grid_height + 1
                 break
@@ -334,9 +430,7 @@ class ExpertHeatmap(Widget, can_focus=True):
         expert = line.first_expert + (x - GUTTER) // self.cell_width
         if expert >= line.last_expert:
             return None
-        top = 2 * line.row
-        bottom = top + 1 if top + 1 < self.data.shape[0] else -1
-        return expert, top, bottom
+        return expert, line.top, line.bottom
 
     # -- actions ---------------------------------------------------------
 
@@ -364,8 +458,16 @@ class ExpertHeatmap(Widget, can_focus=True):
 
     # -- mouse -----------------------------------------------------------
 
+    def on_resize(self, event: events.Resize) -> None:
+        """A new size starts from the top-left, with the cursor still in view."""
+        self.x_offset = 0
+        self.y_offset = 0
+        self._scroll_to_cursor()
+        self.refresh()
+
     def on_mouse_move(self, event: events.MouseMove) -> None:
         cell = self.cell_at(event.x, event.y)
+        self._hover_pair = None if cell is None else cell[2]
         self.hover = None if cell is None else (cell[1], cell[0])
 
     def on_leave(self, event: events.Leave) -> None:
@@ -400,11 +502,13 @@ class ExpertHeatmap(Widget, can_focus=True):
         total = int(data.heat[layer].sum())
         share = f" ({100 * heat / total:.1f}%)" if total else ""
         last = int(data.last_use[layer, expert])
+        if self.mode == DIFF_MODE:
+            return f"L{layer} E{expert} · A − B {heat / 100:+.2f} points of the layer's routings"
         if self.profile:
             return f"L{layer} E{expert} · heat {heat:,}{share}"
         parts = [
             f"L{layer} E{expert}",
-            LEVEL_NAMES.get(level, f"level {level}"),
+            self.tier.level if level == LEVEL_GPU else LEVEL_NAMES.get(level, f"level {level}"),
             f"heat {heat:,}{share}",
             f"last use #{last}" if last >= 0 else "never used",
         ]
@@ -419,10 +523,10 @@ class ExpertHeatmap(Widget, can_focus=True):
             return "no model"
         if self.hover is not None:
             layer, expert = self.hover
-            below = layer + 1
             text = self.describe(layer, expert)
-            if below < self.data.shape[0]:
-                text += "  |  " + self.describe(below, expert).split(" ", 1)[1]
+            below = self._hover_pair
+            if below is not None and below >= 0:  # the mouse cannot tell the halves of a cell apart
+                text += "  |  " + self.describe(below, expert)
             return text
         return self.describe(*self.cursor)
 
@@ -431,7 +535,7 @@ class ExpertHeatmap(Widget, can_focus=True):
         assert self.data is not None and self.data.layer_hit is not None
 
         def pct(layer: int) -> str:
-            if layer >= self.data.shape[0]:  # type: ignore[union-attr]
+            if layer < 0 or layer >= self.data.shape[0]:  # type: ignore[union-attr]
                 return ""
             value = float(self.data.layer_hit[layer])  # type: ignore[index]
             return "   –" if math.isnan(value) else f"{value:3.0f}%"
@@ -453,6 +557,33 @@ class ExpertHeatmap(Widget, can_focus=True):
                     chars[offset: offset + len(label)] = label
         return "".join(chars)
 
+    def _show_position(self, text: str) -> None:
+        self.border_subtitle = text
+
+    def _append_cells(self, text: Text, colors: np.ndarray, line: GridLine, glyph: str,
+                      cursor_expert: int, cursor_layer: int) -> None:
+        """One row of cells; neighbours of one colour are appended as one run (a 256-expert row
+        is a few dozen runs, not 256 spans)."""
+        first, last = line.first_expert, line.last_expert
+        top_colors = list(colors[line.top, first:last])
+        pair = line.bottom >= 0
+        bottom_colors = list(colors[line.bottom, first:last]) if pair else None
+        if 0 <= cursor_expert - first < len(top_colors):
+            if cursor_layer == line.top:
+                top_colors[cursor_expert - first] = CURSOR_COLOR
+            elif pair and cursor_layer == line.bottom:
+                bottom_colors[cursor_expert - first] = CURSOR_COLOR  # type: ignore[index]
+        cell = self.cell_width
+        keys = list(zip(top_colors, bottom_colors)) if pair else top_colors
+        run_start = 0
+        for index in range(1, len(keys) + 1):
+            if index < len(keys) and keys[index] == keys[run_start]:
+                continue
+            key = keys[run_start]
+            style = half_block_style(*key) if pair else solid_style(key)  # type: ignore[misc]
+            text.append(glyph * (cell * (index - run_start)), style)
+            run_start = index
+
     def render(self) -> Text:
         self.redraw_count += 1
         text = Text(no_wrap=True, overflow="crop", end="")
@@ -464,14 +595,19 @@ class ExpertHeatmap(Widget, can_focus=True):
         ruler_style = self.get_component_rich_style("heatmap--ruler")
         cursor_layer, cursor_expert = self.cursor
         show_cursor = self.has_focus
+        subtitle = self.position_text()
+        if self.border_subtitle != subtitle:  # the border is drawn apart from the content: after this frame
+            self.call_after_refresh(self._show_position, subtitle)
         lines = self.grid_lines()
-        block = "▀" * self.cell_width
+        layout = self.layout()
+        folded = layout.folded
+        glyph = "▀" if layout.per_row == 2 else "█"
         visible = lines[self.y_offset: self.y_offset + self.grid_height]
         for line in visible:
             if line.kind == "header":
                 text.append("exp ".ljust(GUTTER), ruler_style)
                 ruler = self._ruler(line.first_expert, line.last_expert)
-                if not self.is_folded() and n_experts > self.experts_across:
+                if not folded and n_experts > self.experts_across:
                     where = f" ◀{line.first_expert}–{line.last_expert - 1} of {n_experts}▶"
                     ruler = ruler[: max(0, len(ruler) - len(where))] + where
                 text.append(ruler, ruler_style)
@@ -479,29 +615,16 @@ class ExpertHeatmap(Widget, can_focus=True):
                     text.append("  RAM hit", ruler_style)
                 text.append("\n")
                 continue
-            top = 2 * line.row
-            bottom = top + 1
-            text.append(f"{top:>3} ", ruler_style)
-            for expert in range(line.first_expert, line.last_expert):
-                top_color = colors[top, expert]
-                bottom_color = colors[bottom, expert] if bottom < n_layers else "default"
-                if show_cursor and expert == cursor_expert:
-                    if cursor_layer == top:
-                        top_color = CURSOR_COLOR
-                    elif cursor_layer == bottom:
-                        bottom_color = CURSOR_COLOR
-                if bottom_color == "default":
-                    text.append(block, Style(color=top_color))
-                else:
-                    text.append(block, half_block_style(top_color, bottom_color))
+            text.append(f"{line.top:>3} ", ruler_style)
+            self._append_cells(text, colors, line, glyph, cursor_expert if show_cursor else -1, cursor_layer)
             if self.shows_side:
-                text.append(self._side_text(top, bottom), ruler_style)
+                text.append(self._side_text(line.top, line.bottom), ruler_style)
             text.append("\n")
         for _ in range(self.grid_height - len(visible)):
             text.append("\n")
         legend_style = self.get_component_rich_style("heatmap--legend")
         legend = Text(f"{self.mode}: ", legend_style, no_wrap=True)
-        for color, label in LEGENDS[self.mode]:
+        for color, label in legend_entries(self.mode, self.tier):
             legend.append("■", Style(color=color))
             legend.append(f"{label} ", legend_style)
         info = Text(self.info_text(), self.get_component_rich_style("heatmap--info"), no_wrap=True)

@@ -84,8 +84,8 @@ class Knob(Widget, can_focus=True):
     COMPONENT_CLASSES = {"knob--name", "knob--fill", "knob--empty", "knob--default", "knob--changed"}
 
     BINDINGS = [
-        Binding("left", "step(-1)", "Down", show=False),
-        Binding("right", "step(1)", "Up", show=False),
+        Binding("left", "step(-1)", "Step down", show=False),
+        Binding("right", "step(1)", "Step up", show=False),
         Binding("pagedown", "step(-10)", "Big step down", show=False),
         Binding("pageup", "step(10)", "Big step up", show=False),
         Binding("home", "to_end(0)", "Minimum", show=False),

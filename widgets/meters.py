@@ -64,7 +64,8 @@ class MeterHistory:
     """Meter values per token, plus where knobs changed.
 
     ``latest`` holds the last values as given (fractions, None = no samples);
-    ``series`` the drawn history in the unit shown (percent for rates, 0 where missing).
+    ``series`` the drawn history in the unit shown (percent for rates, 0 where missing, for
+    the sparklines); ``present`` says which of those had samples (the plot draws only those).
     """
 
     limit: int = HISTORY
@@ -72,6 +73,7 @@ class MeterHistory:
     series: dict[str, deque] = field(default_factory=dict)
     latest: dict[str, float | None] = field(default_factory=dict)
     marks: list[KnobMark] = field(default_factory=list)
+    present: dict[str, deque] = field(default_factory=dict)
 
     def add(self, token: int, meters: Mapping[str, float]) -> None:
         """Record one token's meters."""
@@ -80,6 +82,7 @@ class MeterHistory:
             value = meters.get(spec.key)
             shown = spec.scaled(float(value)) if value is not None else 0.0
             self.series.setdefault(spec.key, deque(maxlen=self.limit)).append(shown)
+            self.present.setdefault(spec.key, deque(maxlen=self.limit)).append(value is not None)
         self.latest = {key: None if value is None else float(value) for key, value in meters.items()
                        if value is None or isinstance(value, (int, float))}
 
@@ -96,6 +99,7 @@ class MeterHistory:
         series = self.series.get(key)
         if series:
             series[-1] = METER_BY_KEY[key].scaled(float(value)) if value is not None else 0.0
+            self.present[key][-1] = value is not None
 
     def mark(self, token: int, label: str) -> None:
         """Remember a knob change at `token`."""
@@ -109,12 +113,20 @@ class MeterHistory:
             series={key: deque(values, maxlen=values.maxlen) for key, values in self.series.items()},
             latest=dict(self.latest),
             marks=list(self.marks),
+            present={key: deque(flags, maxlen=flags.maxlen) for key, flags in self.present.items()},
         )
 
     def values(self, key: str) -> list[float]:
         return list(self.series.get(key, ()))
 
+    def points(self, key: str) -> tuple[list[int], list[float]]:
+        """(tokens, values) of the tokens where the meter had samples: no line where it had none."""
+        flags = self.present.get(key, ())
+        pairs = [(t, v) for t, v, ok in zip(self.tokens, self.series.get(key, ()), flags) if ok]
+        return [t for t, _ in pairs], [v for _, v in pairs]
+
     def clear(self) -> None:
+        self.present.clear()
         self.tokens.clear()
         self.series.clear()
         self.latest.clear()
@@ -205,6 +217,10 @@ class MetersPanel(Vertical):
         for spec in METERS:
             yield MeterRow(spec)
 
+    def name_tier(self, label: str) -> None:
+        """Call the tier's hit meter `label` ("VRAM hit" on a GPU, "tier hit" on an OpenCL CPU device)."""
+        self.query_one("#meter-vram_hit .meter--label", Label).update(label)
+
     def show(self, history: MeterHistory, *, sparklines: bool = True) -> None:
         """Draw the latest values and, with `sparklines`, the recent past from `history`.
 
@@ -215,29 +231,90 @@ class MetersPanel(Vertical):
             row.show(history.latest, history.values(row.spec.key) if sparklines else None)
 
 
+PLOT_AXES_WIDTH = 14
+"""Columns the plot's two tick-label axes take at most; the rest is the canvas the labels share."""
+PLOT_FRAME_ROWS = 4
+"""Rows of the plot outside its canvas: title, top and bottom frame, the token axis."""
+LABEL_LEVELS = 3
+"""Rows from the top of the canvas that knob-change labels may use."""
+
+
+@dataclass(frozen=True)
+class PlacedLabel:
+    """A knob change's label where the plot writes it: canvas row from the top, and its text."""
+
+    token: int
+    level: int
+    text: str
+
+
+def place_labels(marks: Iterable[KnobMark], first: int, last: int, columns: int,
+                 levels: int = LABEL_LEVELS) -> list[PlacedLabel]:
+    """Labels that never overlap: each on the highest row where it clears the labels already
+    there by a column, shortened to the canvas edge; one that fits nowhere is left to its line."""
+    span = max(last - first, 1)
+    per_column = span / max(columns - 1, 1)
+    taken: list[list[tuple[int, int]]] = [[] for _ in range(levels)]
+    placed = []
+    for mark in sorted(marks, key=lambda m: m.token):
+        if not first <= mark.token <= last:
+            continue
+        start = round((mark.token - first) / per_column)
+        room = columns - start
+        text = mark.label if len(mark.label) <= room else mark.label[: max(room - 1, 0)] + "…"
+        if room < 2:
+            continue
+        end = start + len(text)
+        for level, spans in enumerate(taken):
+            if all(end + 1 <= a or start >= b + 1 for a, b in spans):
+                spans.append((start, end))
+                placed.append(PlacedLabel(mark.token, level, text))
+                break
+    return placed
+
+
 class MeterPlot(PlotextPlot):
-    """Hit rates and tokens/s over tokens, with a vertical line at each knob change."""
+    """Hit rates and tokens/s over tokens, with a vertical line at each knob change.
+
+    The title is the legend (which series is on which axis), so no legend box covers the
+    curves, and the knob changes' labels are placed so that none covers another.
+    """
 
     DEFAULT_CSS = """
     MeterPlot { height: 1fr; min-height: 6; }
     """
 
+    TITLE = "left: RAM hit rate %{vram} · right: tok/s · │ knob change"
+    tier_meter = "VRAM hit"
+    """The tier's hit meter as the plot names it (`tier hit` for an OpenCL CPU device)."""
+
     def show(self, history: MeterHistory) -> None:
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
-        plt.title("hit rate % and tok/s over tokens")
         tokens = list(history.tokens)
+        vram = history.points("vram_hit")
+        plt.title(self.TITLE.format(vram=f", {self.tier_meter} %" if vram[0] else ""))
         if tokens:
-            plt.plot(tokens, history.values("ram_hit"), label="RAM hit %", marker="braille", color="cyan")
-            if any(history.values("vram_hit")):
-                plt.plot(tokens, history.values("vram_hit"), label="VRAM hit %", marker="braille", color="green")
-            plt.plot(tokens, history.values("tok_s"), label="tok/s", marker="braille", color="orange", yside="right")
-            first = tokens[0]
+            for key, color in (("ram_hit", "cyan"), ("vram_hit", "green")):
+                xs, ys = history.points(key)
+                if xs:
+                    plt.plot(xs, ys, marker="braille", color=color)
+            xs, ys = history.points("tok_s")
+            if xs:
+                plt.plot(xs, ys, marker="braille", color="orange", yside="right")
+            first, last = tokens[0], max(tokens[-1], tokens[0] + 1)
             for mark in history.marks:
-                if mark.token >= first:  # a vertical line (a two-point series) and the change's label
+                if mark.token >= first:  # a vertical line (a two-point series)
                     plt.plot([mark.token, mark.token], [0, 100], marker="braille", color="magenta")
-                    plt.text(mark.label, mark.token, 96, color="magenta", alignment="left")
-            plt.xlim(first, max(tokens[-1], first + 1))
+            rows = max(self.size.height - PLOT_FRAME_ROWS, 1)
+            columns = max(self.size.width - PLOT_AXES_WIDTH, 1)
+            for label in place_labels(history.marks, first, last, columns, min(LABEL_LEVELS, rows)):
+                height = 100 - (label.level + 0.5) * 100 / rows
+                plt.text(label.text, label.token, height, color="magenta", alignment="left")
+            plt.xlim(first, last)
         plt.ylim(0, 100, yside="left")
+        self.refresh()
+
+    def on_resize(self) -> None:
         self.refresh()

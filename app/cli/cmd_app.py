@@ -32,14 +32,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def check_before_opening(options) -> None:
+    """A model folder that is not one, or a knob flag it cannot take, is one line and exit 2
+    before the screen opens, not a screen that can do nothing."""
+    from tierlab.engine.config import load_config
+    from tierlab.engine.knobs import Knobs
+
+    load_config(options.model)
+    Knobs.from_env(**options.knobs)
+
+
 def run(args: argparse.Namespace) -> int:
     from tierlab.app.tui.app import TierlabApp
 
     if args.meter_window < 1:
         raise TierlabError(f"--meter-window must be at least 1 token, got {args.meter_window}")
+    options = options_from_args(args)
+    check_before_opening(options)
 
     app = TierlabApp(
-        options_from_args(args),
+        options,
         sessions_dir=args.sessions,
         seed=args.seed,
         max_tokens=args.max_tokens,

@@ -24,7 +24,7 @@ def add_parser(subparsers) -> None:
     sub = parser.add_subparsers(dest="heat_command", metavar="ACTION", required=True)
 
     show = sub.add_parser("show", help="per-layer summary of one profile")
-    show.add_argument("file", help="heat profile (.bin)")
+    show.add_argument("file", help="heat profile (.heat, as the app and HEAT_FILE write it)")
     show.add_argument("--model", metavar="DIR", help="check the dims against this model's config.json")
     show.add_argument("--top", type=_positive_int, default=8, metavar="N", help="experts listed per layer (default 8)")
     show.set_defaults(run=run)

@@ -25,8 +25,9 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer
 
 from tierlab.app.cli.errors import error_line
-from tierlab.app.tui.chat import ChatMessage, ChatPane
+from tierlab.app.tui.chat import NO_TOKENIZER_HINT, ChatMessage, ChatPane, looks_like_code
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
+from tierlab.app.tui.keys import key_label, keys_for_action
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
 from tierlab.app.tui.tools import TOOL_BINDINGS, AppTools
 from tierlab.engine.conversation import Conversation
@@ -35,7 +36,7 @@ from tierlab.engine.knobs import SPEC_BY_NAME, KnobError
 from tierlab.engine.meters import RECENT_TOKENS
 from tierlab.engine.options import EngineOptions, first_run_slots
 from tierlab.engine.surface import EngineSurface
-from tierlab.widgets.heatmap import ExpertHeatmap
+from tierlab.widgets.heatmap import ExpertHeatmap, tier_names
 from tierlab.widgets.knob import Knob, KnobSelect, KnobSwitch
 from tierlab.widgets.meters import MeterPlot, MetersPanel, band_line
 from tierlab.widgets.title_bar import TitleBar
@@ -78,14 +79,14 @@ class TierlabApp(AppTools, App):
     """As in `App`, but without repainting the whole screen on each change: only the header shows it."""
 
     BINDINGS = [
-        Binding("f1,question_mark", "help", "Help", key_display="F1"),
+        Binding("f1,question_mark", "help", "Help"),
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+r", "toggle_recording", "Record"),
         Binding("r", "toggle_recording", "Record", show=False),
         Binding("f2", "heat_inspector", "Heat"),
         Binding("f3", "sessions", "Sessions"),
         Binding("f4", "save_heat", "Save heat", show=False),
-        Binding("f5", "cycle_meter_window", "Meter window", key_display="F5"),
+        Binding("f5", "cycle_meter_window", "Meter window"),
         Binding("w", "cycle_meter_window", "Meter window", show=False),
         Binding("f6", "reset_knobs", "Reset knobs", show=False),
         Binding("ctrl+l", "clear_chat", "Clear"),
@@ -95,6 +96,7 @@ class TierlabApp(AppTools, App):
         Binding("f9", "focus('prompt')", "Prompt", show=False),
         Binding("ctrl+q", "quit", "Quit"),
         *TOOL_BINDINGS,
+        Binding("q", "quit", "Quit", show=False),
     ]
 
     def __init__(
@@ -161,7 +163,7 @@ class TierlabApp(AppTools, App):
             else:
                 names = ", ".join(sorted(self.available_themes))
                 self.notify(f"no theme {self.start_theme!r}; themes: {names}", severity="warning", timeout=10)
-        self.query_one("#chat").border_title = "Chat"
+        self._title_chat()
         self.query_one("#heatmap").border_title = "Experts"
         self.query_one("#knobs").border_title = "Knobs"
         self.query_one("#meters-box").border_title = "Meters"
@@ -238,18 +240,26 @@ class TierlabApp(AppTools, App):
         self.query_one(KnobsPanel).configure(int(config.top_k), int(config.n_experts), slots)
         self.query_one(KnobsPanel).show(engine.knobs.snapshot(), slots)
         self.tools_engine_ready(engine)
+        names = tier_names(engine.tier_description())
+        self.query_one(ExpertHeatmap).tier = names
+        self.query_one(MetersPanel).name_tier(names.meter)
+        self.query_one(MeterPlot).tier_meter = names.meter
         self.refresh_views(force=True)
         self._update_subtitle()
         if self.tier and engine.tier_description() is None:
             self.notify("no GPU tier: running from RAM and disk only", severity="warning")
         tokenizer = engine.tokenizer
         if tokenizer is None:
+            prompt = self.query_one("#prompt")
+            prompt.placeholder = NO_TOKENIZER_HINT
+            prompt.disabled = True
             self.notify("this model has no tokenizer.json: chat is off", severity="warning")
         elif getattr(tokenizer, "chat_template", True) is None:
             self.query_one(ChatPane).raw_mode = True
             self.notify("this model has no chat template: raw completion mode", severity="warning")
         else:
             self.query_one(ChatPane).offer_thinking(tokenizer.thinking_default())
+        self._title_chat()
         self._show_engine_notices()
 
     def _show_engine_notices(self) -> None:
@@ -266,6 +276,9 @@ class TierlabApp(AppTools, App):
             f"{config.n_layers}L × {config.n_experts}E top-{config.top_k}",
             self._cache_text(),
         ]
+        tier = self._tier_text()
+        if tier:
+            parts.append(tier)
         if self.watch is not None:
             parts.append(f"{self.watch.tokens_seen} tok")
         if self.generating:
@@ -273,6 +286,22 @@ class TierlabApp(AppTools, App):
         if self.recorder is not None:
             parts.append("● REC")
         self.sub_title = " · ".join(parts)
+
+    def _tier_text(self) -> str:
+        """`GPU tier 96 experts` or `OpenCL CPU tier 96 experts` while a tier is attached; '' without."""
+        report = self.engine.tier_description()
+        if report is None:
+            return ""
+        return f"{tier_names(report).level} {report.get('capacity', 0)} experts"
+
+    def _title_chat(self) -> None:
+        """The chat pane's title says which mode the next prompt runs in."""
+        chat = self.query_one(ChatPane)
+        if self.engine is not None and self.engine.tokenizer is None:
+            mode = "no tokenizer"
+        else:
+            mode = "raw mode" if chat.raw_mode else "chat mode"
+        chat.border_title = f"Chat · {mode}"
 
     def _cache_text(self) -> str:
         """`cache 12/32 · 4.5 MiB`: RAM slots per layer of the expert count, and the RAM they
@@ -339,6 +368,9 @@ class TierlabApp(AppTools, App):
         if self.generating:
             self.notify("still answering; Esc stops it", severity="warning")
             return
+        if not chat.raw_mode and looks_like_code(event.text):
+            self.notify("this looks like code: ^T (or the raw mode switch) completes it as plain text "
+                        "instead of a chat turn", title="Chat mode", timeout=6)
         if chat.raw_mode:
             chat.add("user", event.text)
             self._begin_reply(event.text, chat.add("raw"))
@@ -566,7 +598,9 @@ class TierlabApp(AppTools, App):
             self.set_cache_slots(int(event.value))
 
     def on_knob_switch_changed(self, event: KnobSwitch.Changed) -> None:
-        if event.knob_name == "ROUTE_AGREE":
+        if event.knob_name == "raw mode":
+            self._title_chat()
+        elif event.knob_name == "ROUTE_AGREE":
             self.set_engine_knob("ROUTE_AGREE", "1" if event.value else "auto")
         elif event.knob_name in SPEC_BY_NAME:
             self.set_engine_knob(event.knob_name, event.value)
@@ -596,10 +630,13 @@ class TierlabApp(AppTools, App):
             self.push_screen(HelpScreen())
 
     def action_heat_inspector(self) -> None:
+        """The one heat inspector: opened again, it still holds the profiles it had."""
         from tierlab.app.tui.heat_screen import HeatInspector
 
+        if not self.is_screen_installed("heat-inspector"):
+            self.install_screen(HeatInspector(initial=self.heat_path), "heat-inspector")
         if not isinstance(self.screen, HeatInspector):
-            self.push_screen(HeatInspector(initial=self.heat_path))
+            self.push_screen("heat-inspector")
 
     def action_sessions(self) -> None:
         from tierlab.app.tui.sessions_screen import SessionsScreen
@@ -648,28 +685,52 @@ class TierlabApp(AppTools, App):
 
     # -- command palette -------------------------------------------------------
 
+    def get_key_display(self, binding: Binding) -> str:
+        """Keys in one style in the footer and everywhere else (app/tui/keys.py)."""
+        return binding.key_display or key_label(binding.key)
+
+    def _command(self, title: str, help: str, callback, action: str | None = None) -> SystemCommand:
+        """A palette command whose help names its key, when it has one."""
+        keys = keys_for_action(self.BINDINGS, action) if action else ""
+        return SystemCommand(title, f"{help} · key {keys}" if keys else help, callback)
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("Help: keys and panes", "Show every key binding", self.action_help)
-        yield SystemCommand("Stop generation", "Stop the reply after the current token", self.action_stop)
-        yield SystemCommand("Clear conversation", "Forget the chat and the sequence state", self.action_clear_chat)
-        yield SystemCommand("Toggle chat / raw completion", "Chat template or plain text completion", self.action_toggle_raw)
+        for command in super().get_system_commands(screen):
+            if command.title == "Quit":
+                command = command._replace(help=f"{command.help} · key {keys_for_action(self.BINDINGS, 'quit')}")
+            yield command
+        yield self._command("Help: keys and panes", "Show every key binding", self.action_help, "help")
+        yield self._command("Stop generation", "Stop the reply after the current token", self.action_stop, "stop")
+        yield self._command("Clear conversation", "Forget the chat and the sequence state", self.action_clear_chat,
+                            "clear_chat")
+        yield self._command("Toggle chat / raw completion", "Chat template or plain text completion",
+                            self.action_toggle_raw, "toggle_raw")
         yield SystemCommand("Toggle thinking", "The chat template's enable_thinking (Qwen3.x), from the next turn",
                             self.action_toggle_thinking)
-        yield SystemCommand("Toggle recording", "Start or stop a session log", self.action_toggle_recording)
-        yield SystemCommand("Reset knobs to defaults", "All routing knobs and the RAM cache size", self.action_reset_knobs)
-        yield SystemCommand("Heat profile inspector", "Open, compare and save heat profiles", self.action_heat_inspector)
-        yield SystemCommand("Sessions and A/B", "Recorded session logs and A/B tables", self.action_sessions)
-        yield SystemCommand("Save session heat", "Write this session's routing counts", self.action_save_heat)
-        yield SystemCommand("Heatmap: next view", "Residency, heat, this token, swaps", self._cycle_heatmap_mode)
-        yield SystemCommand("Heatmap: fold / scroll", "How experts beyond the width are shown", self._cycle_heatmap_fold)
+        yield self._command("Toggle recording", "Start or stop a session log", self.action_toggle_recording,
+                            "toggle_recording")
+        yield self._command("Reset knobs to defaults", "All routing knobs and the RAM cache size",
+                            self.action_reset_knobs, "reset_knobs")
+        yield self._command("Heat profile inspector", "Open, compare and save heat profiles",
+                            self.action_heat_inspector, "heat_inspector")
+        yield self._command("Sessions and A/B", "Recorded session logs and A/B tables", self.action_sessions,
+                            "sessions")
+        yield self._command("Save session heat", "Write this session's routing counts", self.action_save_heat,
+                            "save_heat")
+        yield self._command("Meter window: next", "Last N tokens, since the knob change, since start",
+                            self.action_cycle_meter_window, "cycle_meter_window")
+        yield SystemCommand("Heatmap: next view", "Residency, heat, this token, swaps · key m (heatmap)",
+                            self._cycle_heatmap_mode)
+        yield SystemCommand("Heatmap: fold / scroll", "How experts beyond the width are shown · key f (heatmap)",
+                            self._cycle_heatmap_fold)
         yield SystemCommand("Toggle CACHE_ROUTE", "Cache-aware routing on/off (from the next token)",
                             lambda: self._toggle_knob("CACHE_ROUTE"))
         for mode in SPEC_BY_NAME["ROUTE_MODE"].choices or ():
             yield SystemCommand(f"ROUTE_MODE = {mode}", "Routing strategy (from the next token)",
                                 lambda m=mode: self._set_knob_from_command("ROUTE_MODE", m))
         for name in ("heatmap", "knobs", "prompt"):
-            yield SystemCommand(f"Focus {name}", f"Move the keyboard focus to the {name}", lambda n=name: self.action_focus(n))
+            yield self._command(f"Focus {name}", f"Move the keyboard focus to the {name}",
+                                lambda n=name: self.action_focus(n), f"focus('{name}')")
 
     def _toggle_knob(self, name: str) -> None:
         if self.engine is not None:

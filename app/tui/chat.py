@@ -7,12 +7,26 @@ job, so the pane never touches the engine.
 from __future__ import annotations
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Input, Static
 
 from tierlab.widgets.knob import Knob, KnobSwitch
+
+
+PROMPT_HINT = "Ask something… (Enter sends, Esc stops, ? help)"
+NO_TOKENIZER_HINT = "no tokenizer.json: this model cannot chat (the heatmap and knobs still work)"
+
+CODE_STARTS = ("def ", "class ", "import ", "from ", "#include", "fn ", "function ", "package ", "public ", "<?php")
+CODE_MARKS = ("```", "):\n", ") {", "};", "=>", "</")
+
+
+def looks_like_code(text: str) -> bool:
+    """Is a prompt source code to be continued, which chat mode would answer in prose?"""
+    stripped = text.lstrip()
+    return stripped.startswith(CODE_STARTS) or any(mark in text for mark in CODE_MARKS)
 
 
 GROW_LINES = 6
@@ -71,6 +85,24 @@ class ChatMessage(Static):
         return False
 
 
+PANE_KEYS = ("?", "q")
+"""Keys that act as the app's keys (help, quit) while the prompt is empty, as in htop or k9s."""
+
+
+class PromptInput(Input):
+    """The prompt: `?` and `q` type only into a prompt that already has text; on an empty
+    prompt they reach the app's bindings (help, quit)."""
+
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        if character in PANE_KEYS and not self.value:
+            return False
+        return super().check_consume_key(key, character)
+
+    def on_key(self, event: events.Key) -> None:
+        if event.character in PANE_KEYS and not self.value:
+            event.prevent_default()  # not typed: the key goes on to the app's bindings
+
+
 class ChatPane(Vertical):
     """Conversation, prompt input and generation settings."""
 
@@ -108,7 +140,7 @@ class ChatPane(Vertical):
                                   help="the chat template's enable_thinking (Qwen3.x)")
             thinking.display = False  # shown once the model's template turns out to have the switch
             yield thinking
-        yield Input(placeholder="Ask something… (Enter sends, Esc stops)", id="prompt")
+        yield PromptInput(placeholder=PROMPT_HINT, id="prompt")
 
     @property
     def raw_mode(self) -> bool:

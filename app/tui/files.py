@@ -60,16 +60,38 @@ class LogListing:
     """What the sessions list shows of a log without reading all of it."""
 
     path: Path
-    knobs: str  # the knobs that differ from their defaults at the start ("lever off" if none)
+    knobs: str  # the knobs that differ from their defaults at the start ("lever off" if none), and the RAM cache
     records: int  # lines after the header: tokens, knob changes and the summary
     size: int
     modified: float
 
 
-def describe_log(path: Path) -> LogListing:
-    """Read a log's header line and count its records (a damaged header reads as "not a session log")."""
+def start_label(header: dict) -> str:
+    """The knobs at a log's start and its RAM cache: `lever off · cache 16/32`, `CACHE_ROUTE=1 · cache 32/32`."""
     from tierlab.app.lab.abtable import knob_label
 
+    label = knob_label(header.get("knobs") or {})
+    cache = header.get("cache") if isinstance(header.get("cache"), dict) else {}
+    slots = cache.get("ram_slots")
+    if slots is not None:
+        model = header.get("model") if isinstance(header.get("model"), dict) else {}
+        experts = model.get("n_experts")
+        label += f" · cache {slots}/{experts}" if experts else f" · cache {slots}"
+    return label
+
+
+def read_header(path: Path) -> dict:
+    """A session log's header line ({} when the file has none)."""
+    try:
+        with open(path, "rb") as handle:
+            header = json.loads(handle.readline(1 << 20).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return header if isinstance(header, dict) and header.get("type") == "header" else {}
+
+
+def describe_log(path: Path) -> LogListing:
+    """Read a log's header line and count its records (a damaged header reads as "not a session log")."""
     stat = path.stat()
     knobs = "not a session log"
     records = 0
@@ -77,7 +99,7 @@ def describe_log(path: Path) -> LogListing:
         with open(path, "rb") as handle:
             header = json.loads(handle.readline(1 << 20).decode("utf-8"))
             if isinstance(header, dict) and header.get("type") == "header":
-                knobs = knob_label(header.get("knobs") or {})
+                knobs = start_label(header)
             records = sum(1 for line in handle if line.strip())
     except (OSError, UnicodeDecodeError, ValueError):
         pass

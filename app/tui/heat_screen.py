@@ -3,13 +3,17 @@
 A heat profile decides what the GPU tier holds from the start, so it is
 worth seeing: which experts a layer prefers (the heatmap), how concentrated
 each layer is (entropy, and how many experts cover 50% / 90% of its
-routings), and how two profiles differ layer by layer.
+routings), and how two profiles differ layer by layer: B's table starts with
+the comparison (top overlap, TVD, JS), and `d` shows B's pane as A − B.
+The app keeps one inspector, so F2 again finds the profiles it left.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+
+import numpy as np
 
 from textual import on
 from textual.app import ComposeResult
@@ -23,7 +27,7 @@ from tierlab.app.tui.files import list_heat_files
 
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.heat import HeatProfile, LayerDiff, diff
-from tierlab.widgets.heatmap import ExpertHeatmap, HeatmapData
+from tierlab.widgets.heatmap import DIFF_MODE, ExpertHeatmap, HeatmapData
 
 
 def bar(fraction: float, width: int = 10) -> str:
@@ -43,6 +47,18 @@ def profile_data(profile: HeatProfile) -> HeatmapData:
     return data
 
 
+def difference_data(a: HeatProfile, b: HeatProfile) -> HeatmapData:
+    """A − B per cell, in hundredths of a percent of each layer's routings (profiles of different
+    lengths compare by share, not by count)."""
+    def shares(counts: np.ndarray) -> np.ndarray:
+        totals = counts.sum(axis=1, keepdims=True).astype(np.float64)
+        return np.divide(counts, totals, out=np.zeros(counts.shape), where=totals > 0)
+
+    data = HeatmapData.empty(a.n_layers, a.n_experts)
+    data.heat = np.rint((shares(a.counts) - shares(b.counts)) * 10000).astype(np.int64)
+    return data
+
+
 class ProfilePane(Vertical):
     """One profile: its name, heatmap and per-layer table."""
 
@@ -56,6 +72,8 @@ class ProfilePane(Vertical):
         super().__init__(id=f"pane-{side}")
         self.side = side
         self.profile: HeatProfile | None = None
+        self.source_name = ""
+        self.difference = None
         self.border_title = f"profile {side.upper()}"
 
     def compose(self) -> ComposeResult:
@@ -64,28 +82,42 @@ class ProfilePane(Vertical):
 
     def show(self, profile: HeatProfile, source: str, diffs: list[LayerDiff] | None = None) -> None:
         self.profile = profile
-        self.border_title = f"{self.side.upper()}: {Path(source).name}"
+        self.source_name = Path(source).name
+        self.border_title = f"{self.side.upper()}: {self.source_name}"
         self.query_one(ExpertHeatmap).update_data(profile_data(profile), now=True)
+        heatmap = self.query_one(ExpertHeatmap)
+        heatmap.mode = "heat"
+        self.difference = None
         table = self.query_one(DataTable)
         table.clear(columns=True)
-        for label in ("layer", "routings", "entropy", "cover 50%", "cover 90%", "top experts"):
+        compared = ("top overlap", "TVD", "JS") if diffs is not None else ()
+        for label in ("layer", *compared, "routings", "entropy", "cover 50%", "cover 90%", "top experts"):
             table.add_column(label, key=label)
-        if diffs is not None:
-            for label in ("top overlap", "TVD", "JS"):
-                table.add_column(label, key=label)
         for summary in profile.summaries(top=4):
-            row = [
-                str(summary.layer),
+            row = [str(summary.layer)]
+            if diffs is not None:  # first, so that a half-width pane still shows them
+                d = diffs[summary.layer]
+                row += [f"{d.top_overlap:.2f}", f"{d.tvd:.3f}", f"{d.js:.3f}"]
+            row += [
                 f"{summary.routings:,}",
                 f"{bar(summary.entropy_norm, 8)} {summary.entropy_norm:.2f}",
                 f"{bar(summary.cover50 / profile.n_experts, 6)} {summary.cover50}",
                 f"{bar(summary.cover90 / profile.n_experts, 6)} {summary.cover90}",
                 " ".join(str(e) for e, _ in summary.top),
             ]
-            if diffs is not None:
-                d = diffs[summary.layer]
-                row += [f"{d.top_overlap:.2f}", f"{d.tvd:.3f}", f"{d.js:.3f}"]
             table.add_row(*row)
+
+    def show_difference(self, a: HeatProfile, on: bool) -> None:
+        """Show A − B in this (B's) pane, or B itself again."""
+        heatmap = self.query_one(ExpertHeatmap)
+        if on and self.profile is not None:
+            heatmap.update_data(difference_data(a, self.profile), now=True)
+            heatmap.mode = DIFF_MODE
+            self.border_title = f"A − B · {self.source_name}"
+        elif self.profile is not None:
+            heatmap.update_data(profile_data(self.profile), now=True)
+            heatmap.mode = "heat"
+            self.border_title = f"B: {self.source_name}"
 
 
 class HeatInspector(Screen):
@@ -104,11 +136,13 @@ class HeatInspector(Screen):
         Binding("escape", "app.pop_screen", "Back"),
         Binding("ctrl+s", "save", "Save session heat"),
         Binding("ctrl+o", "load", "Load"),
+        Binding("ctrl+d", "toggle_difference", "A − B"),
     ]
 
     def __init__(self, initial: Path | None = None) -> None:
         super().__init__()
         self.initial = initial
+        self.showing_difference = False
 
     def compose(self) -> ComposeResult:
         known = list_heat_files(Path.cwd(), self.app.sessions_dir)  # type: ignore[attr-defined]
@@ -165,11 +199,22 @@ class HeatInspector(Screen):
                 self.app.notify(str(exc), title="Compare", severity="error")
                 return
             self.query_one("#pane-b", ProfilePane).show(profile_b, path_b, diffs)
+            self.showing_difference = False
             self.add_class("-compare")
             mean_tvd = [d.tvd for d in diffs if not math.isnan(d.tvd)]
             if mean_tvd:
-                status += f" | B vs A: mean TVD {sum(mean_tvd) / len(mean_tvd):.3f}"
+                status += f" | B vs A: mean TVD {sum(mean_tvd) / len(mean_tvd):.3f} · ^D shows A − B"
         self.query_one("#heat-status", Static).update(status)
+
+    def action_toggle_difference(self) -> None:
+        """Pane B as A − B (amber: more in A, blue: more in B) or as B again."""
+        pane_a = self.query_one("#pane-a", ProfilePane)
+        pane_b = self.query_one("#pane-b", ProfilePane)
+        if not self.has_class("-compare") or pane_a.profile is None or pane_b.profile is None:
+            self.app.notify("load two profiles first (A and B)", severity="warning")
+            return
+        self.showing_difference = not self.showing_difference
+        pane_b.show_difference(pane_a.profile, self.showing_difference)
 
     @on(Input.Submitted, "#heat-save-path")
     @on(Button.Pressed, "#heat-save")

@@ -27,7 +27,7 @@ def knob_id(name: str) -> str:
 
 
 def agree_to_switch(value: str) -> bool:
-    """ROUTE_AGREE as a switch: on = "1" (meters always on), off = "auto" (on with the lever)."""
+    """ROUTE_AGREE as a switch: on (ROUTE_AGREE=1, meters always on), auto (on with the lever)."""
     return value == "1"
 
 
@@ -57,7 +57,7 @@ class KnobsPanel(VerticalScroll):
         defaults = KnobValues()
         yield KnobSwitch("CACHE_ROUTE", defaults.CACHE_ROUTE, default=defaults.CACHE_ROUTE,
                          help=SPEC_BY_NAME["CACHE_ROUTE"].help, id=knob_id("CACHE_ROUTE"))
-        yield KnobSwitch("ROUTE_AGREE", agree_to_switch(defaults.ROUTE_AGREE), default=False, on_text="1",
+        yield KnobSwitch("ROUTE_AGREE", agree_to_switch(defaults.ROUTE_AGREE), default=False, on_text="on",
                          off_text="auto", help=SPEC_BY_NAME["ROUTE_AGREE"].help + " (off = auto)", id=knob_id("ROUTE_AGREE"))
         mode = SPEC_BY_NAME["ROUTE_MODE"]
         yield KnobSelect("ROUTE_MODE", mode.choices or (), defaults.ROUTE_MODE, default=str(mode.default),

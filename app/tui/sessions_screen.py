@@ -18,22 +18,32 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
-from tierlab.app.tui.files import describe_log, list_logs, stamped_path
+from tierlab.app.tui.files import describe_log, list_logs, read_header, stamped_path, start_label
 from tierlab.app.lab import abtable
 from tierlab.engine.atomic import write_atomic
 from tierlab.engine.errors import TierlabError
 
 
 def ab_rows(path_a: Path, path_b: Path) -> list[dict]:
-    """Two A/B table rows from two logs, labelled so that they never collide."""
+    """Two A/B table rows from two logs, labelled by their knobs and RAM cache so that they never collide."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rows = [abtable.summarise_log(path_a), abtable.summarise_log(path_b)]
-    rows[0]["row"] = f"A: {rows[0]['row']}"
-    rows[1]["row"] = f"B: {rows[1]['row']}"
+    rows[0]["row"] = f"A: {start_label(read_header(path_a))}"
+    rows[1]["row"] = f"B: {start_label(read_header(path_b))}"
     for row, w in zip(rows, caught):
         row.setdefault("warning", str(w.message))
     return abtable.distinct_labels(rows)
+
+
+EMPTY = "–"
+
+
+def drop_empty_columns(titles: list[str], body: list[list[str]]) -> tuple[list[str], list[list[str]], list[str]]:
+    """Leave out the columns no row has a figure for (ids match and TF-NLL without a reference)."""
+    keep = [i for i, _ in enumerate(titles) if i == 0 or any(str(row[i]).strip() not in (EMPTY, "") for row in body)]
+    dropped = [t for i, t in enumerate(titles) if i not in keep]
+    return [titles[i] for i in keep], [[row[i] for i in keep] for row in body], dropped
 
 
 class SessionsScreen(Screen):
@@ -98,7 +108,10 @@ class SessionsScreen(Screen):
             listing = describe_log(path)
             when = _dt.datetime.fromtimestamp(listing.modified).strftime("%Y-%m-%d %H:%M:%S")
             table.add_row(self._pick_mark(path), path.name, listing.knobs, f"{listing.records:,}", when, key=str(path))
-        if not self.logs:
+        recorder = getattr(self.app, "recorder", None)
+        if recorder is not None:
+            self._status(f"recording to {recorder.path.name}: r stops it")
+        elif not self.logs:
             self._status(f"no session logs in {self.folder} yet: press r to record one")
 
     def _pick_mark(self, path: Path) -> str:
@@ -114,13 +127,26 @@ class SessionsScreen(Screen):
         return self.logs[table.cursor_row]
 
     def action_pick(self, side: str) -> None:
+        """Pick the log highlighted in the list; from elsewhere, say so and go back to the list."""
+        table = self.query_one("#sessions-list", DataTable)
+        if self.focused is not table:
+            table.focus()
+            self.app.notify(f"{side} picks the highlighted log of the list: the list has the focus again",
+                            severity="warning", timeout=4)
+            return
         path = self.highlighted()
         if path is None:
+            self.app.notify("no session log to pick", severity="warning")
             return
         self.pick(side, path)
 
     def pick(self, side: str, path: Path) -> None:
-        """Make `path` log A or B; with both picked, build the table."""
+        """Make `path` log A or B; with both picked, build the table. A log is never both."""
+        other = "b" if side == "a" else "a"
+        if self.picked.get(other) == path:
+            self.app.notify(f"{path.name} is {other.upper()} already: pick another log for {side.upper()}",
+                            severity="warning", timeout=4)
+            return
         self.picked[side] = path
         table = self.query_one("#sessions-list", DataTable)
         for log in self.logs:
@@ -146,6 +172,7 @@ class SessionsScreen(Screen):
             self.app.notify(str(exc).splitlines()[0], title="A/B", severity="error")
             return
         titles, body = abtable.table_cells(self.rows)
+        titles, body, dropped = drop_empty_columns(titles, body)
         table = self.query_one("#ab-table", DataTable)
         table.clear(columns=True)
         for title in titles:
@@ -153,7 +180,8 @@ class SessionsScreen(Screen):
         for cells in body:
             table.add_row(*cells)
         tokens = " vs ".join(str(r.get("tokens", "?")) for r in self.rows)
-        self._status(f"A/B over {tokens} tokens · e exports markdown")
+        note = f" · {', '.join(dropped)}: need a reference run (tierlab ab)" if dropped else ""
+        self._status(f"A/B over {tokens} tokens · e exports markdown{note}")
 
     @on(Button.Pressed, "#ab-export")
     def action_export(self) -> Path | None:
