@@ -22,13 +22,14 @@ from tierlab.app.cli import (
     cmd_inspect,
     cmd_make_synthetic,
     cmd_ref,
+    cmd_sweep,
 )
 from tierlab.app.cli.errors import run_guarded
 
 #: Every command, in the order `tierlab --help` lists them.
 COMMANDS = (
     cmd_app, cmd_generate, cmd_ref, cmd_eval, cmd_ab, cmd_compare,
-    cmd_convert, cmd_inspect, cmd_make_synthetic, cmd_heat, cmd_bench,
+    cmd_convert, cmd_inspect, cmd_make_synthetic, cmd_heat, cmd_bench, cmd_sweep,
 )
 DEFAULT_COMMAND = "app"
 
