@@ -264,7 +264,7 @@ def train(args):
         if step % args.log_every == 0 or step == args.steps:
             dt = time.time() - t0
             rec = {"step": step, "lr": lr, "loss": lm, "loss_ema": ema, "aux": res.aux_loss.item(),
-                   **({"layer_balance": float(balance)} if args.aux_loss else {}),
+                   **({"layer_balance": balance.item()} if args.aux_loss else {}),
                    "grad_norm": float(gn), "sec": round(dt, 1)}
             if step % args.eval_every == 0 or step == args.steps:
                 rec["heldout"] = heldout_loss(model, streams["heldout"], args.seq)

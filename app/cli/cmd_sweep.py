@@ -43,8 +43,8 @@ def add_parser(subparsers) -> None:
     fmt.add_argument("--json", action="store_true", help="print the rows as one JSON object")
     fmt.add_argument("--csv", action="store_true", help="print the rows as CSV")
     fmt.add_argument("--md", action="store_true", help="print the table as markdown")
-    p.add_argument("--protocol", choices=("paper",), default=None,
-                   help="paper: the arXiv 2412.00099 protocol tables (docs/routing.md) instead of a grid")
+    p.add_argument("--protocol", choices=("paper", "strategies"), default=None,
+                   help="paper: the arXiv 2412.00099 protocol table; strategies: each strategy's dial (docs/routing.md)")
     p.set_defaults(run=run)
 
 
