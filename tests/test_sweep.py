@@ -167,3 +167,16 @@ def test_sweep_on_a_session_log(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["tokens"] >= 5
     assert [r["row"] for r in result["rows"]] == ["off", "CACHE_ROUTE=1 ROUTE_J=1"]
+
+
+def test_paper_protocol_table(capsys):
+    assert main(["sweep", "--protocol", "paper", "--model", str(FIXTURE), "--tokens", "8", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"    tierlab sweep --protocol paper --model {FIXTURE}") or "--protocol paper" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "×K" in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["3 (1.5×K)", "4 (2×K)", "6 (3×K)"]
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        lru, belady = float(cells[1].rstrip("%")), float(cells[3].rstrip("%"))
+        assert belady <= lru  # no eviction policy beats Belady on the same requests
+        assert len(cells) == 5 + 3 * 3
