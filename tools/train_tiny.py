@@ -163,7 +163,7 @@ def make_summary(preset, step, log, a: dict, n_params, vocab, streams, command) 
         "tokens_seen": step * a["batch"] * a["seq"], "train_stream_tokens": int(len(streams["train"])),
         "heldout_stream_tokens": int(len(streams["heldout"])), "lr": a["lr"], "warmup": a["warmup"],
         "decay_steps": a["decay_steps"], "weight_decay": a["wd"], "router_aux_loss_coef": a["aux_coef"],
-        "per_layer_aux_loss": a.get("aux_loss", 0.0),
+        "per_layer_aux_loss": a.get("aux_loss", 0.0), "resumed": bool(a.get("resumed")),
         "seed": a["seed"], "threads": a["threads"],
         "final_train_loss_ema": log[-1]["loss_ema"] if log else None, "final_heldout_loss": last.get("heldout"),
         "command": command, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -238,6 +238,7 @@ def train(args):
         opt.load_state_dict(ck["opt"])
         step, log = ck["step"], ck["log"]
         print(f"resumed at step {step}", flush=True)
+        args.resumed = True
     n_params = sum(p.numel() for p in model.parameters())
     print(f"preset={args.preset} params={n_params} train_tokens={len(streams['train'])} "
           f"heldout_tokens={len(streams['heldout'])} layer_types={cfg.layer_types}", flush=True)
