@@ -310,6 +310,13 @@ def _pool_baseline(job: SweepJob, store: str) -> dict:
     return run_baseline(job, store)[0]
 
 
+def _worker_start() -> None:
+    """Ctrl+C reaches the whole process group: the command handles it; workers only stop."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 # --- the results file -----------------------------------------------------------------------------------
 
 
@@ -439,7 +446,8 @@ def _sweep_local(workers, job, bases, todo, finished, keep) -> None:
                 if not s.is_baseline:
                     keep(s, run_paired(job(s), store[s.cache], *base_stats[s.cache]))
             return
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_worker_start)
+        interrupted = True
         try:
             pending = {pool.submit(_pool_baseline, job(s), store[s.cache]): s for s in bases}
             rows = [s for s in todo if not s.is_baseline]
@@ -456,8 +464,10 @@ def _sweep_local(workers, job, bases, todo, finished, keep) -> None:
                             pending[pool.submit(run_paired, job(r), store[r.cache], *base_stats[r.cache])] = r
                     else:
                         keep(s, record)
+            interrupted = False
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            # interrupted: rows not started are dropped and running ones are not waited for
+            pool.shutdown(wait=not interrupted, cancel_futures=True)
 
 
 def _sweep_ray(address, job, bases, todo, finished, keep, cpus, timeout_s) -> None:
