@@ -33,7 +33,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="local worker processes (default: min(CPUs, rows)); 1 runs in this process")
     p.add_argument("--ray", metavar="ADDRESS", default=None,
-                   help="run on Ray: local (start one on this machine) or HOST:PORT (needs tierlab[ray])")
+                   help="run on Ray: local (start one on this machine, --workers CPUs) or HOST:PORT (needs tierlab[ray])")
     p.add_argument("--ray-timeout", type=float, default=10.0, help="seconds to wait for a Ray address (default 10)")
     p.add_argument("--out", metavar="FILE", help="append each finished row to this JSON-lines file")
     p.add_argument("--resume", action="store_true", help="skip rows already in --out (same settings, model, text)")
@@ -112,7 +112,7 @@ def run(args) -> int:
     with sigterm_exits():
         result = run_sweep(model, prompt, full, rows, workers=workers, ray_address=args.ray, out=args.out,
                            resume=args.resume, progress=lambda s: print(s, file=sys.stderr),
-                           ray_timeout_s=args.ray_timeout)
+                           ray_cpus=args.workers, ray_timeout_s=args.ray_timeout)
     if args.plot:
         write_plot(args.plot, result.rows)
     if args.json:
