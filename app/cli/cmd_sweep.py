@@ -106,6 +106,8 @@ def run(args) -> int:
     rows = grid_rows(parse_grid(args.grid, cfg.n_experts), default_cache)
     if args.workers is not None and args.workers < 1:
         raise TierlabError(f"--workers: {args.workers} must be at least 1")
+    if args.plot and Path(args.plot).suffix.lower() != ".svg":
+        raise TierlabError(f"--plot {args.plot}: only .svg files are written")
     if args.resume and not args.out:
         raise TierlabError("--resume: needs --out FILE (the results to continue)")
     workers = args.workers or max(1, min(os.cpu_count() or 1, len(with_baselines(rows))))
