@@ -4,7 +4,9 @@ interrupted sweeps keep their rows and resume, bad grids and Ray addresses are o
 from __future__ import annotations
 
 import json
+import struct
 import xml.etree.ElementTree as ET
+import zlib
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from conftest import run_cli
 from tierlab.app.cli.main import main
 from tierlab.app.lab.evaluate import read_ref, write_ref
 from tierlab.app.lab.sweep import (RowSettings, grid_rows, paired_bootstrap, parse_grid, run_sweep)
-from tierlab.app.lab.sweep_report import pareto_front, svg_plot
+from tierlab.app.lab.sweep_report import pareto_front, png_plot, svg_plot
 from tierlab.engine.errors import TierlabError
 
 MAIN = tierlab.ASSETS_DIR / "tiny-moe"
@@ -118,6 +120,15 @@ def test_grid_parsing_and_the_front():
     svg = ET.fromstring(svg_plot(pts))
     circles = [e for e in svg.iter() if e.tag.endswith("circle")]
     assert len(circles) == 4 + 2
+    png = png_plot(pts)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    idat = png.index(b"IDAT")
+    (size,) = struct.unpack(">I", png[idat - 4: idat])
+    pixels = np.frombuffer(zlib.decompress(png[idat + 4: idat + 4 + size]), dtype=np.uint8)
+    rows = pixels.reshape(height, 1 + 3 * width)[:, 1:].reshape(height, width, 3)
+    assert (rows == (192, 57, 43)).all(axis=2).sum() > 100  # the front's line
+    assert (rows == (44, 127, 184)).all(axis=2).sum() > 4 * 20  # four dots
 
 
 def assert_one_line(proc, *needles):

@@ -10,7 +10,7 @@ from pathlib import Path
 from tierlab.app.cli.signals import sigterm_exits
 from tierlab.app.lab.evaluate import read_ref
 from tierlab.app.lab.sweep import check_cache, grid_rows, parse_grid, run_sweep, with_baselines
-from tierlab.app.lab.sweep_report import pareto_front, render_csv, render_table, terminal_plot, write_plot
+from tierlab.app.lab.sweep_report import PLOT_KINDS, pareto_front, render_csv, render_table, terminal_plot, write_plot
 from tierlab.engine.config import load_config
 from tierlab.engine.errors import FormatError, TierlabError
 from tierlab.engine.options import default_model
@@ -37,7 +37,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ray-timeout", type=float, default=10.0, help="seconds to wait for a Ray address (default 10)")
     p.add_argument("--out", metavar="FILE", help="append each finished row to this JSON-lines file")
     p.add_argument("--resume", action="store_true", help="skip rows already in --out (same settings, model, text)")
-    p.add_argument("--plot", metavar="FILE.svg", help="write the Pareto front as an SVG image")
+    p.add_argument("--plot", metavar="FILE.svg|FILE.png", help="write the Pareto front as an SVG or PNG image")
     p.add_argument("--no-terminal-plot", action="store_true", help="leave the terminal plot out of the report")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the rows as one JSON object")
@@ -106,8 +106,8 @@ def run(args) -> int:
     rows = grid_rows(parse_grid(args.grid, cfg.n_experts), default_cache)
     if args.workers is not None and args.workers < 1:
         raise TierlabError(f"--workers: {args.workers} must be at least 1")
-    if args.plot and Path(args.plot).suffix.lower() != ".svg":
-        raise TierlabError(f"--plot {args.plot}: only .svg files are written")
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_KINDS:
+        raise TierlabError(f"--plot {args.plot}: write a .svg or .png file")
     if args.resume and not args.out:
         raise TierlabError("--resume: needs --out FILE (the results to continue)")
     workers = args.workers or max(1, min(os.cpu_count() or 1, len(with_baselines(rows))))

@@ -12,6 +12,7 @@ import csv
 import io
 import math
 import re
+from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 
@@ -111,29 +112,64 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [start + i * step for i in range(int((hi - start) / step + 1e-9) + 1)]
 
 
+@dataclass(frozen=True)
+class PlotLayout:
+    """Where the front's plot puts things: canvas, margins, data ranges (hit % and ΔNLL), ticks."""
+
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    width: int = 720
+    height: int = 440
+    left: int = 80
+    right: int = 30
+    top: int = 40
+    bottom: int = 60
+
+    @classmethod
+    def around(cls, pts: list[tuple[float, float]]) -> "PlotLayout":
+        xs = [x for x, _ in pts] or [0.0, 100.0]
+        ys = [y for _, y in pts] or [0.0, 1.0]
+        padx = (max(xs) - min(xs)) * 0.05 or 1.0
+        pady = (max(ys) - min(ys)) * 0.08 or 0.01
+        return cls(min(xs) - padx, max(xs) + padx, min(ys) - pady, max(ys) + pady)
+
+    def sx(self, x: float) -> float:
+        return self.left + (x - self.x0) / (self.x1 - self.x0) * (self.width - self.left - self.right)
+
+    def sy(self, y: float) -> float:
+        return self.height - self.bottom - (y - self.y0) / (self.y1 - self.y0) * (self.height - self.top - self.bottom)
+
+    @property
+    def x_ticks(self) -> list[float]:
+        return _ticks(self.x0, self.x1)
+
+    @property
+    def y_ticks(self) -> list[float]:
+        return _ticks(self.y0, self.y1)
+
+
+def _points(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    pts = [r for r in rows if r.get("ram_hit") is not None and r.get("dnll") is not None]
+    return pts, pareto_front(rows)
+
+
 def svg_plot(rows: list[dict], title: str = "Pareto front: RAM hit vs ΔNLL") -> str:
     """The front as a standalone SVG document."""
-    pts = [r for r in rows if r.get("ram_hit") is not None and r.get("dnll") is not None]
-    front = pareto_front(rows)
-    W, H, L, R, T, B = 720, 440, 80, 30, 40, 60
-    xs = [100 * r["ram_hit"] for r in pts] or [0.0, 100.0]
-    ys = [r["dnll"] for r in pts] or [0.0, 1.0]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    padx = (x1 - x0) * 0.05 or 1.0
-    pady = (y1 - y0) * 0.08 or 0.01
-    x0, x1, y0, y1 = x0 - padx, x1 + padx, y0 - pady, y1 + pady
-    sx = lambda x: L + (x - x0) / (x1 - x0) * (W - L - R)  # noqa: E731
-    sy = lambda y: H - B - (y - y0) / (y1 - y0) * (H - T - B)  # noqa: E731
+    pts, front = _points(rows)
+    lay = PlotLayout.around([(100 * r["ram_hit"], r["dnll"]) for r in pts])
+    W, H, L, R, T, B = lay.width, lay.height, lay.left, lay.right, lay.top, lay.bottom
+    sx, sy = lay.sx, lay.sy
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
            'font-family="sans-serif" font-size="12">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="14">{escape(title)}</text>',
            f'<rect x="{L}" y="{T}" width="{W - L - R}" height="{H - T - B}" fill="none" stroke="black"/>']
-    for t in _ticks(x0, x1):
+    for t in lay.x_ticks:
         out.append(f'<line x1="{sx(t):.1f}" y1="{H - B}" x2="{sx(t):.1f}" y2="{T}" stroke="#ddd"/>')
         out.append(f'<text x="{sx(t):.1f}" y="{H - B + 16}" text-anchor="middle">{t:g}%</text>')
-    for t in _ticks(y0, y1):
+    for t in lay.y_ticks:
         out.append(f'<line x1="{L}" y1="{sy(t):.1f}" x2="{W - R}" y2="{sy(t):.1f}" stroke="#ddd"/>')
         out.append(f'<text x="{L - 6}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:.3g}</text>')
     out.append(f'<text x="{(L + W - R) / 2}" y="{H - 18}" text-anchor="middle">RAM hit</text>')
@@ -154,11 +190,26 @@ def svg_plot(rows: list[dict], title: str = "Pareto front: RAM hit vs ΔNLL") ->
     return "\n".join(out) + "\n"
 
 
+def png_plot(rows: list[dict]) -> bytes:
+    """The front as a PNG image (app/lab/front_png.py rasterises it)."""
+    from tierlab.app.lab.front_png import png_plot as rasterise
+
+    pts, front = _points(rows)
+    xy = lambda rs: [(100 * r["ram_hit"], r["dnll"]) for r in rs]  # noqa: E731
+    return rasterise(PlotLayout.around(xy(pts)), xy(pts), xy(front))
+
+
+PLOT_KINDS = (".svg", ".png")
+
+
 def write_plot(path: str | Path, rows: list[dict]) -> None:
     path = Path(path)
-    if path.suffix.lower() != ".svg":
-        raise TierlabError(f"--plot {path}: only .svg files are written")
+    if path.suffix.lower() not in PLOT_KINDS:
+        raise TierlabError(f"--plot {path}: write a .svg or .png file")
     try:
-        path.write_text(svg_plot(rows), encoding="utf-8")
+        if path.suffix.lower() == ".png":
+            path.write_bytes(png_plot(rows))
+        else:
+            path.write_text(svg_plot(rows), encoding="utf-8")
     except OSError as exc:
         raise TierlabError(f"--plot {path}: cannot write: {exc.strerror}") from None
