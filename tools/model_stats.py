@@ -213,6 +213,16 @@ def write_card(dst: Path, cfg, st: dict):
         for i, d in enumerate(r["per_layer"]))
     curve = "\n".join(f"| {x['step']} | {x['loss_ema']:.3f} | {x['heldout']:.3f} |" for x in tr["log"] if "heldout" in x)
     c = tr["config"]
+    per_layer = tr.get("per_layer_aux_loss") or 0.0
+    balance = (f", plus a load-balancing loss taken in each layer on its own (`--aux-loss {per_layer:g}`, "
+               "`per_layer_balance_loss`)") if per_layer else ""
+    usage_note = ("uniform: log E; the per-layer loss balances every layer" if per_layer else
+                  "transformers' aux loss balances the usage summed over all layers, not each layer, "
+                  "so single layers can be skewed")
+    resumed = ("" if not tr.get("resumed", True) else
+               " The run was stopped and resumed with\n  `--resume`, with `--steps` changed only while the learning "
+               "rate was still constant, which by construction\n  (fixed batches per step, schedule independent of "
+               "`--steps` before the decay) is the run of the command above.")
     text = f"""# {dst.name}: a tiny trained Qwen3.6-architecture MoE
 
 A genuine Hugging Face checkpoint of `Qwen3_5MoeForCausalLM` (`model_type: {cfg.model_type}`, the
@@ -248,10 +258,8 @@ text and docstrings; it is a test subject for caches and routing, not a useful a
 - {tr['steps']} steps of {tr['batch']} x {tr['seq']} tokens = {tr['tokens_seen']:,} tokens seen
   (~{tr['tokens_seen'] / tr['train_stream_tokens']:.1f} passes over the training split); AdamW (0.9, 0.95), peak lr {tr['lr']},
   warm-up {tr['warmup']}, constant, linear decay to 10% over the last {tr['decay_steps']} steps; weight decay {tr['weight_decay']};
-  grad clip 1.0; router load-balancing loss on (`output_router_logits=True`, `router_aux_loss_coef={tr['router_aux_loss_coef']}`).
-- Wall time {wall / 60:.0f} min on a shared 2-vCPU machine (under `nice`). The run was stopped and resumed with
-  `--resume`, with `--steps` changed only while the learning rate was still constant, which by construction
-  (fixed batches per step, schedule independent of `--steps` before the decay) is the run of the command above.
+  grad clip 1.0; router load-balancing loss on (`output_router_logits=True`, `router_aux_loss_coef={tr['router_aux_loss_coef']}`){balance}.
+- Wall time {wall / 60:.0f} min on a shared 2-vCPU machine (under `nice`).{resumed}
 - Final training loss (EMA) {tr['final_train_loss_ema']:.3f} nats/token; held-out loss at the end of training
   {tr['final_heldout_loss']:.3f} (16 fixed windows).
 
@@ -265,8 +273,7 @@ text and docstrings; it is a test subject for caches and routing, not a useful a
   On `heldout.txt` ({st['heldout_txt_tokens']} tokens): {st['heldout_txt_nll']:.3f} vs unigram {st['heldout_txt_unigram_ce']:.3f}.
 - Routing over the same held-out tokens (means over layers; uniform routing in brackets):
   per-token router entropy {r['mean']['router_entropy']:.3f} (log E = {r['log_E']:.3f});
-  entropy of the expert usage (top-k counts) {r['mean']['usage_entropy']:.3f} (transformers' aux loss balances the
-  usage summed over all layers, not each layer, so single layers can be skewed);
+  entropy of the expert usage (top-k counts) {r['mean']['usage_entropy']:.3f} ({usage_note});
   top-k reuse between consecutive tokens {r['mean']['reuse']:.3f} ({r['uniform_reuse']:.3f});
   hit rate of a per-layer LRU cache of {r['num_experts'] // 2} experts {r['mean']['lru_half_hit']:.3f} ({r['uniform_lru_half_hit']:.3f}).
 

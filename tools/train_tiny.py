@@ -122,6 +122,25 @@ def lr_at(step: int, total: int, peak: float, warmup: int, decay: int) -> float:
     return peak * (1.0 - 0.9 * (step - start) / max(1, total - start))
 
 
+def per_layer_balance_loss(router_logits, n_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-style load balance taken in every layer on its own, then averaged over layers.
+
+    transformers' `router_aux_loss_coef` balances the usage summed over all
+    layers, which lets single layers route most tokens to a few experts; this
+    term is E * sum_i f_i * P_i per layer (f_i: share of the layer's top-k
+    slots given to expert i, P_i: its mean router probability), 1.0 when the
+    layer is balanced.
+    """
+    losses = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        share = torch.zeros(n_experts, dtype=probs.dtype).scatter_add_(
+            0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=probs.dtype)) / chosen.numel()
+        losses.append(n_experts * (share * probs.mean(dim=0)).sum())
+    return torch.stack(losses).mean()
+
+
 @torch.no_grad()
 def heldout_loss(model, stream: np.ndarray, seq: int, n: int = 16) -> float:
     """Mean next-token loss over n fixed, evenly spaced held-out windows."""
@@ -144,6 +163,7 @@ def make_summary(preset, step, log, a: dict, n_params, vocab, streams, command) 
         "tokens_seen": step * a["batch"] * a["seq"], "train_stream_tokens": int(len(streams["train"])),
         "heldout_stream_tokens": int(len(streams["heldout"])), "lr": a["lr"], "warmup": a["warmup"],
         "decay_steps": a["decay_steps"], "weight_decay": a["wd"], "router_aux_loss_coef": a["aux_coef"],
+        "per_layer_aux_loss": a.get("aux_loss", 0.0), "resumed": bool(a.get("resumed")),
         "seed": a["seed"], "threads": a["threads"],
         "final_train_loss_ema": log[-1]["loss_ema"] if log else None, "final_heldout_loss": last.get("heldout"),
         "command": command, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -218,6 +238,7 @@ def train(args):
         opt.load_state_dict(ck["opt"])
         step, log = ck["step"], ck["log"]
         print(f"resumed at step {step}", flush=True)
+        args.resumed = True
     n_params = sum(p.numel() for p in model.parameters())
     print(f"preset={args.preset} params={n_params} train_tokens={len(streams['train'])} "
           f"heldout_tokens={len(streams['heldout'])} layer_types={cfg.layer_types}", flush=True)
@@ -230,8 +251,12 @@ def train(args):
             g["lr"] = lr
         x = batch_at(streams["train"], step, args.seed, args.batch, args.seq)
         res = model(input_ids=x, labels=x, output_router_logits=True)
+        loss = res.loss
+        if args.aux_loss:
+            balance = per_layer_balance_loss(res.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+            loss = loss + args.aux_loss * balance
         opt.zero_grad(set_to_none=True)
-        res.loss.backward()
+        loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
@@ -240,6 +265,7 @@ def train(args):
         if step % args.log_every == 0 or step == args.steps:
             dt = time.time() - t0
             rec = {"step": step, "lr": lr, "loss": lm, "loss_ema": ema, "aux": res.aux_loss.item(),
+                   **({"layer_balance": balance.item()} if args.aux_loss else {}),
                    "grad_norm": float(gn), "sec": round(dt, 1)}
             if step % args.eval_every == 0 or step == args.steps:
                 rec["heldout"] = heldout_loss(model, streams["heldout"], args.seq)
@@ -266,7 +292,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--decay-steps", type=int, default=400)
     ap.add_argument("--wd", type=float, default=0.05)
-    ap.add_argument("--aux-coef", type=float, default=0.02)
+    ap.add_argument("--aux-coef", type=float, default=0.02, help="transformers' load balance over all layers together")
+    ap.add_argument("--aux-loss", type=float, default=0.0,
+                    help="weight of a load-balancing loss taken in each layer on its own (0 = off)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--threads", type=int, default=2)

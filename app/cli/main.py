@@ -24,12 +24,13 @@ from tierlab.app.cli import (
     cmd_make_synthetic,
     cmd_ref,
     cmd_replay,
+    cmd_sweep,
 )
 from tierlab.app.cli.errors import run_guarded
 
 #: Every command, in the order `tierlab --help` lists them.
 COMMANDS = (
-    cmd_app, cmd_generate, cmd_chat, cmd_ref, cmd_eval, cmd_ab, cmd_compare, cmd_replay,
+    cmd_app, cmd_generate, cmd_chat, cmd_ref, cmd_eval, cmd_ab, cmd_compare, cmd_replay, cmd_sweep,
     cmd_convert, cmd_inspect, cmd_make_synthetic, cmd_heat, cmd_bench,
 )
 DEFAULT_COMMAND = "app"
