@@ -57,7 +57,7 @@ def open_regular(path: str | os.PathLike, what: str, error: type[TierlabError] =
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise error(f"{what} not found", path) from None
+        raise error(f"cannot read {what}: not found", path) from None
     except OSError as exc:
         raise error(f"cannot open {what}: {exc.strerror or exc}", path) from None
     try:
