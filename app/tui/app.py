@@ -25,6 +25,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer
 
 from tierlab.app.cli.errors import error_line
+from tierlab.app.cli.signals import exit_on_sigterm
 from tierlab.app.tui.chat import ChatMessage, ChatPane
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.knob_panel import CACHE_SLOTS, KnobsPanel
@@ -151,6 +152,7 @@ class TierlabApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._remove_sigterm = exit_on_sigterm(lambda code: self.exit(return_code=code))  # unmount closes the engine
         if self.start_theme:
             if self.start_theme in self.available_themes:
                 self.theme = self.start_theme
@@ -678,6 +680,7 @@ class TierlabApp(App):
     # -- shutdown -----------------------------------------------------------------
 
     def on_unmount(self) -> None:
+        getattr(self, "_remove_sigterm", lambda: None)()
         self._stop_event.set()
         if self.recorder is not None:
             try:
