@@ -144,7 +144,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"tensor {shown}: data ends at byte {data_start + end} but the file has {size} (truncated?)", path
             )
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
-    _check_no_overlap(tensors, path)
+    _check_layout(tensors, data_start, size, path)
     return tensors
 
 
@@ -159,12 +159,21 @@ def _dim(value) -> int:
     return value
 
 
-def _check_no_overlap(tensors: dict[str, TensorInfo], path: Path) -> None:
-    """Two tensors sharing bytes would alias each other's weights: refuse."""
+def _check_layout(tensors: dict[str, TensorInfo], data_start: int, size: int, path: Path) -> None:
+    """Two tensors sharing bytes would alias each other's weights, and bytes no tensor owns mean
+    the header and the data disagree (a shifted header length, a spliced file): refuse both.
+    The format lays tensors end to end from the start of the data to the end of the file."""
     ranges = sorted((info.offset, info.offset + info.nbytes, name) for name, info in tensors.items() if info.nbytes)
     for (_, end_a, name_a), (begin_b, _, name_b) in zip(ranges, ranges[1:]):
         if begin_b < end_a:
             raise ModelError(f"tensors {_short(name_a)} and {_short(name_b)} overlap (bytes {begin_b}..{end_a})", path)
+    at = data_start
+    for begin, end, name in ranges:
+        if begin != at:
+            raise ModelError(f"bytes {at}..{begin} before tensor {_short(name)} belong to no tensor", path)
+        at = end
+    if at != size:
+        raise ModelError(f"bytes {at}..{size} at the end belong to no tensor (header and data disagree)", path)
 
 
 def read_tensor(info: TensorInfo) -> np.ndarray:
