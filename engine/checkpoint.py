@@ -278,8 +278,11 @@ class Checkpoint:
         if kind == "F64":
             with np.errstate(over="ignore"):
                 values, kind = values.astype(np.float32), "F32"
-        pieces = self.expert_pieces(layer)[expert]
-        require_finite(values, kind, f"layer {layer} expert {expert} ({pieces[0].info.name})", pieces[0].info.path)
+        flat, pos = values.reshape(-1), 0
+        for piece in self.expert_pieces(layer)[expert]:  # the pieces lie in order: name the one at fault
+            require_finite(flat[pos:pos + piece.count], kind, f"layer {layer} expert {expert} ({piece.info.name})",
+                           piece.info.path)
+            pos += piece.count
         self._checked_experts.add((layer, expert))
 
 

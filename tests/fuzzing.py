@@ -37,8 +37,9 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def error_lines(err: str) -> list[str]:
-    """stderr without the kernel-compile progress a cold run prints."""
-    return [line for line in err.splitlines() if line.strip() and not line.startswith("tierlab: compiling kernels")]
+    """stderr without progress: the kernel compile a cold run reports, convert's progress bar."""
+    return [line for line in err.splitlines()
+            if line.strip() and not line.startswith(("tierlab: compiling kernels", "["))]
 
 
 def assert_refused(code: int, err: str, *needles: str) -> str:
