@@ -121,16 +121,17 @@ def check_regular(path: str | os.PathLike, what: str, error: type[TierlabError] 
     return size
 
 
-def read_line(handle: BinaryIO, limit: int = LOG_LINE_LIMIT) -> tuple[bytes, bool]:
+def read_line(handle: BinaryIO, limit: int = LOG_LINE_LIMIT, skip: bool = True) -> tuple[bytes, bool]:
     """The next line (with its newline) and whether it fits the limit; at most limit+1 bytes are held.
 
-    A longer line is skipped to its end in bounded pieces (never held whole)
-    and returned as its first `limit` bytes with False.
+    A longer line comes back as its first `limit` bytes with False; with `skip`
+    the rest of it is passed over in bounded pieces (never held whole) so that
+    the next call reads the next line, without it the reader stops there.
     """
     line = handle.readline(limit + 1)
     if len(line) <= limit:
         return line, True
     rest = line
-    while rest and not rest.endswith(b"\n"):
+    while skip and rest and not rest.endswith(b"\n"):
         rest = handle.readline(MiB)
     return line[:limit], False

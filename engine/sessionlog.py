@@ -333,7 +333,7 @@ def read_session_log(path: str | os.PathLike) -> SessionLog:
         log = SessionLog(str(path), header)
         line_no = 1
         while True:
-            raw, whole = read_line(handle, LOG_LINE_LIMIT)
+            raw, whole = read_line(handle, LOG_LINE_LIMIT, skip=False)  # reading stops at a long line
             line_no += 1
             if not raw:
                 break

@@ -7,11 +7,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import run_cli
@@ -273,3 +271,23 @@ def test_a_reference_id_past_the_vocabulary_is_refused_naming_the_file(capsys, t
     assert_refused(*run(capsys, "eval", "--model", MODEL, "--ref", ref, "--log", log)[::2],
                    str(ref), "token id 6000", "0..5999")
     assert not log.exists()
+
+
+def test_a_200_mb_log_line_stops_reading_at_the_limit(tmp_path, capsys):
+    import tracemalloc
+
+    from tierlab.engine.sessionlog import SessionLogWarning, read_session_log
+
+    good = tmp_path / "good.jsonl"
+    assert run(capsys, "generate", "--model", MODEL, "--prompt", "Hi", "-n", "2", "--log", good)[0] == 0
+    path = tmp_path / "long.jsonl"
+    header = good.read_text().splitlines()[0] + "\n"
+    with open(path, "wb") as f:
+        f.write(header.encode())
+        f.truncate(len(header) + (200 << 20))  # one 200 MB line (a hole of zeros, no newline)
+    tracemalloc.start()
+    with pytest.warns(SessionLogWarning, match="line 2 is longer than 1048576 bytes"):
+        log = read_session_log(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert log.tokens == [] and peak < 16 << 20, peak
