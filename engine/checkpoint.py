@@ -26,7 +26,9 @@ import numpy as np
 
 from tierlab.engine import hugepages
 from tierlab.engine.config import ModelConfig
+from tierlab.engine.bounded_read import read_text
 from tierlab.engine.errors import ModelError
+from tierlab.engine.finite import float_kind, require_finite
 from tierlab.engine.qlinear import QuantMatrix, RowStack, check_quant_parts, fuse_quant
 from tierlab.engine.safetensors_file import DTYPES, TensorInfo, read_header, read_into, read_tensor
 
@@ -39,6 +41,8 @@ IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 MODEL_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "")
 #: an expert tensor, by relative name
 EXPERT_TENSOR = re.compile(r"^layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<rest>.+)$")
+#: any tensor of a decoder layer, by relative name
+LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.")
 #: the norms Qwen3.5 scales by (1 + w); the DeltaNet output norm (linear_attn.norm) is not one of them
 ZERO_CENTRED_NORM = re.compile(r"(^norm|\.input_layernorm|\.post_attention_layernorm|\.self_attn\.[qk]_norm)\.weight$")
 
@@ -61,8 +65,13 @@ class Checkpoint:
         self.dir = Path(model_dir)
         self.config = config
         stored: dict[str, TensorInfo] = {}
+        self._weight_map: dict[str, str] | None = None
         for path in self._weight_files(weight_files):
-            stored.update(read_header(path))
+            header = read_header(path)
+            for name in header.keys() & stored.keys():
+                raise ModelError(f"tensor {name} is defined in both {stored[name].path.name} and {path.name}", self.dir)
+            stored.update(header)
+        self._check_weight_map(stored)
         if not stored:
             raise ModelError("no tensors found in the safetensors files", self.dir)
         stored = {name: info for name, info in stored.items() if not is_ignored(name)}
@@ -71,17 +80,26 @@ class Checkpoint:
         self.tensors: dict[str, TensorInfo] = {self._relative(name): info for name, info in stored.items()}
         self.fused_experts = self._detect_expert_layout()
         self._expert_plans: dict[int, list[list[ExpertPiece]]] = {}
+        self._check_layers()
+        self._checked_experts: set[tuple[int, int]] = set()
 
     def _weight_files(self, names: list[str] | None) -> list[Path]:
         if names is not None:
             return [self.dir / n for n in names]
         index = self.dir / "model.safetensors.index.json"
-        if index.exists():
+        if index.exists() or index.is_symlink():
+            text = read_text(index, "safetensors index", ModelError)
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(text)["weight_map"]
                 files = sorted(set(weight_map.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                raise ModelError("malformed index (expected a weight_map)", index) from None
+                if not all(isinstance(k, str) for k in weight_map):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                raise ModelError("malformed index (expected a weight_map of tensor name -> file name)", index) from None
+            for f in files:
+                if not f or "/" in f or f in (".", ".."):
+                    raise ModelError(f"index names {f!r}, which is not a file in the model folder", index)
+            self._weight_map = weight_map
             paths = [self.dir / f for f in files]
             for p in paths:
                 if not p.exists():
@@ -91,6 +109,28 @@ class Checkpoint:
         if not paths:
             raise ModelError("no *.safetensors files", self.dir)
         return paths
+
+    def _check_weight_map(self, stored: dict[str, TensorInfo]) -> None:
+        """Each tensor the index names must be defined in the shard it names."""
+        if self._weight_map is None:
+            return
+        index = self.dir / "model.safetensors.index.json"
+        for name, file in self._weight_map.items():
+            info = stored.get(name)
+            if info is None or info.path.name != file:
+                where = "in no shard" if info is None else f"in {info.path.name}"
+                raise ModelError(f"index puts tensor {name} in {file}, but it is defined {where}", index)
+
+    def _check_layers(self) -> None:
+        """The checkpoint's layers and embedding must be the ones config.json describes,
+        before anything is sized from the config."""
+        cfg = self.config
+        layers = {int(m.group(1)) for m in map(LAYER_TENSOR.match, self.tensors) if m}
+        if layers and max(layers) >= cfg.n_layers:
+            raise ModelError(f"the checkpoint has layers 0..{max(layers)} but config.json says "
+                             f"num_hidden_layers={cfg.n_layers}", self._where())
+        if "embed_tokens.weight" in self.tensors:
+            self.info("embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
 
     def _detect_prefix(self, stored: dict[str, TensorInfo]) -> str:
         """The prefix of the embedding, else of the decoder layers (a container's experts-only source)."""
@@ -146,7 +186,10 @@ class Checkpoint:
         info = self.info(name, shape)
         arr = read_tensor(info)
         if info.dtype == "F16" or info.dtype == "F64":
-            arr = arr.astype(np.float32)
+            with np.errstate(over="ignore"):
+                arr = arr.astype(np.float32)
+            if info.dtype == "F64":  # finite in float64 may still overflow float32
+                require_finite(arr, "F32", f"tensor {info.name} (as float32)", info.path)
         elif info.dtype not in ("F32", "BF16"):
             raise ModelError(f"tensor {info.name}: dtype {info.dtype} is not a float type", info.path)
         if self.config.zero_centred_norm and ZERO_CENTRED_NORM.search(name):
@@ -219,8 +262,28 @@ class Checkpoint:
             read_into(piece.info.path, piece.offset, staging.view(np.uint8))
             flat[pos:pos + piece.count] = staging if piece.info.dtype == "F64" else to_f32(staging)
             pos += piece.count
+        self.check_expert_finite(layer, expert, flat)
         n = I * H
         return flat[:n].reshape(I, H), flat[n:2 * n].reshape(I, H), flat[2 * n:].reshape(H, I)
+
+
+    def check_expert_finite(self, layer: int, expert: int, values: np.ndarray, kind: str | None = None) -> None:
+        """Refuse an expert holding NaN or infinity (in float32 terms); each expert is checked once.
+
+        `values` are the expert's elements in storage form (`kind` "BF16" for uint16 bits).
+        """
+        if (layer, expert) in self._checked_experts:
+            return
+        kind = kind or float_kind(values)
+        if kind == "F64":
+            with np.errstate(over="ignore"):
+                values, kind = values.astype(np.float32), "F32"
+        flat, pos = values.reshape(-1), 0
+        for piece in self.expert_pieces(layer)[expert]:  # the pieces lie in order: name the one at fault
+            require_finite(flat[pos:pos + piece.count], kind, f"layer {layer} expert {expert} ({piece.info.name})",
+                           piece.info.path)
+            pos += piece.count
+        self._checked_experts.add((layer, expert))
 
 
 def to_f32(arr: np.ndarray) -> np.ndarray:

@@ -10,9 +10,11 @@ written by transformers 5 say `num_local_experts` where older ones say
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierlab.engine.bounded_read import read_text
 from tierlab.engine.errors import ModelError
 
 QWEN3_MOE = "qwen3_moe"
@@ -57,10 +59,36 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     is_vl: bool = False  # nested text_config: tensors under model.language_model.
+    max_positions: int = 0  # max_position_embeddings: the longest sequence the model takes (0: not given)
 
     @property
     def is_hybrid(self) -> bool:
         return self.arch == QWEN3_5_MOE
+
+
+#: the largest value each size may have: generous for any released MoE, and small enough that
+#: nothing sized from it is allocated before the tensors are checked against it
+DIM_CAPS = {
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1 << 12,
+    "vocab_size": 1 << 22,
+    "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "num_experts": 1 << 16,
+    "num_experts_per_tok": 1 << 10,
+    "moe_intermediate_size": 1 << 18,
+    "shared_expert_intermediate_size": 1 << 18,
+    "intermediate_size": 1 << 18,
+    "linear_num_key_heads": 1 << 12,
+    "linear_num_value_heads": 1 << 12,
+    "linear_key_head_dim": 1 << 12,
+    "linear_value_head_dim": 1 << 12,
+    "linear_conv_kernel_dim": 1 << 6,
+    "max_position_embeddings": 1 << 26,
+}
+#: layers x experts is the size of every per-expert table (heat, residency, router state)
+MAX_LAYER_EXPERTS = 1 << 22
 
 
 def _get(cfg: dict, *names: str, default=None, required: bool = False, path: Path | None = None):
@@ -72,9 +100,24 @@ def _get(cfg: dict, *names: str, default=None, required: bool = False, path: Pat
     return default
 
 
+def _show(value) -> str:
+    """A value as a message quotes it: short, whatever it is."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to print
+        return "a very large number"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _as_int(value, name: str, path: Path) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 0:
-        raise ModelError(f"config.json: {name} must be a non-negative integer, got {value!r}", path)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not math.isfinite(value)) \
+            or int(value) != value or value < 0:
+        raise ModelError(f"config.json: {name} must be a non-negative integer, got {_show(value)}", path)
+    cap = DIM_CAPS.get(name)
+    if cap is not None and value > cap:
+        raise ModelError(f"config.json: {name}={_show(int(value))} is larger than any model this engine runs (at most {cap})",
+                         path)
     return int(value)
 
 
@@ -83,13 +126,13 @@ def _as_float(value, name: str, path: Path, positive: bool = True) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
             or value in (float("inf"), float("-inf")) or (positive and value <= 0):
         kind = "a finite positive number" if positive else "a finite number"
-        raise ModelError(f"config.json: {name} must be {kind}, got {value!r}", path)
+        raise ModelError(f"config.json: {name} must be {kind}, got {_show(value)}", path)
     return float(value)
 
 
 def _as_bool(value, name: str, path: Path) -> bool:
     if not isinstance(value, bool):
-        raise ModelError(f"config.json: {name} must be true or false, got {value!r}", path)
+        raise ModelError(f"config.json: {name} must be true or false, got {_show(value)}", path)
     return value
 
 
@@ -102,11 +145,14 @@ def _token_ids(value, name: str, path: Path) -> list[int]:
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Parse `model_dir/config.json`; raises ModelError with one line on anything wrong."""
     path = Path(model_dir) / "config.json"
+    if not path.exists() and not path.is_symlink():
+        raise ModelError("no config.json (is this a model folder?)", path)
+    text = read_text(path, "config.json", ModelError)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelError("no config.json (is this a model folder?)", path) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = json.loads(text)
+    except RecursionError:
+        raise ModelError("config.json is nested too deeply", path) from None
+    except json.JSONDecodeError as exc:
         raise ModelError(f"cannot read config.json: {exc}", path) from None
     if not isinstance(raw, dict):
         raise ModelError("config.json is not a JSON object", path)
@@ -123,11 +169,11 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
             cfg.setdefault(key, raw.get(key))
     model_type = cfg.get("model_type") or top_type
-    if model_type not in SUPPORTED and top_type in SUPPORTED:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED:
         model_type = top_type
-    if model_type not in SUPPORTED:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED:
         raise ModelError(
-            f"unknown model_type {model_type!r} (supported: {', '.join(sorted(SUPPORTED))})", path
+            f"unknown model_type {_show(model_type)} (supported: {', '.join(sorted(SUPPORTED))})", path
         )
     arch = SUPPORTED[model_type]
 
@@ -143,6 +189,9 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
     top_k = need("num_experts_per_tok")
     if n_experts < 1 or not 1 <= top_k <= n_experts:
         raise ModelError(f"config.json: num_experts_per_tok={top_k} does not fit num_experts={n_experts}", path)
+    if n_layers * n_experts > MAX_LAYER_EXPERTS:
+        raise ModelError(f"config.json: {n_layers} layers x {n_experts} experts is more than the "
+                         f"{MAX_LAYER_EXPERTS} expert tables this engine holds", path)
     if n_heads % max(n_kv, 1):
         raise ModelError(f"config.json: {n_heads} heads not divisible by {n_kv} KV heads", path)
     if _get(cfg, "attention_bias", default=False):
@@ -153,7 +202,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         rope = {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None, "mrope"):
-        raise ModelError(f"config.json: rope_type {rope_type!r} is not supported", path)
+        raise ModelError(f"config.json: rope_type {_show(rope_type)} is not supported", path)
     rope_theta = _as_float(_get(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0)), "rope_theta", path)
     partial = _as_float(_get(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", 1.0)),
                         "partial_rotary_factor", path)
@@ -177,7 +226,7 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         step = _as_int(_get(cfg, "decoder_sparse_step", default=1), "decoder_sparse_step", path) or 1
         mlp_only_raw = cfg.get("mlp_only_layers") or []
         if not isinstance(mlp_only_raw, list):
-            raise ModelError(f"config.json: mlp_only_layers must be a list of layer numbers, got {mlp_only_raw!r}", path)
+            raise ModelError(f"config.json: mlp_only_layers must be a list of layer numbers, got {_show(mlp_only_raw)}", path)
         mlp_only = {_as_int(i, "mlp_only_layers", path) for i in mlp_only_raw}
         moe_layers = [(i not in mlp_only) and (i + 1) % step == 0 for i in range(n_layers)]
         shared = 0
@@ -219,4 +268,5 @@ def parse_config(raw: dict, path: Path) -> ModelConfig:
         eos_token_ids=eos_ids,
         bos_token_id=bos_id,
         is_vl=is_vl,
+        max_positions=_as_int(_get(cfg, "max_position_embeddings", default=0), "max_position_embeddings", path),
     )

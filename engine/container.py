@@ -144,7 +144,7 @@ def read_container_info(folder: str | Path) -> ContainerInfo:
         hidden, inter = int(raw["hidden"]), int(raw["inter"])
         blob_nbytes = int(raw["blob_nbytes"])
         offsets = [int(o) for o in raw["layer_offsets"]]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ModelError(f"missing or malformed field {exc}", path) from None
     if bits not in (4, 8):
         raise ModelError(f"bits must be 4 or 8, got {bits}", path)
@@ -155,7 +155,10 @@ def read_container_info(folder: str | Path) -> ContainerInfo:
     layout = BlobLayout(quant_kind(bits), hidden, inter)
     if blob_nbytes != layout.nbytes:
         raise ModelError(f"blob_nbytes {blob_nbytes} does not match the layout ({layout.nbytes})", path)
-    stride = int(raw.get("blob_stride", layout.stride))
+    try:
+        stride = int(raw.get("blob_stride", layout.stride))
+    except (TypeError, ValueError, OverflowError):
+        stride = -1
     if stride != layout.stride:
         raise ModelError(f"blob_stride {stride} does not match the layout ({layout.stride})", path)
     if n_layers <= 0 or n_experts <= 0 or len(offsets) != n_layers:
@@ -167,7 +170,7 @@ def read_container_info(folder: str | Path) -> ContainerInfo:
             raise ModelError(f"layer_offsets[{i}] = {off} is misaligned or overlaps the previous layer", path)
     try:
         dense_bits = int(raw.get("dense_bits", 0))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         dense_bits = -1
     if dense_bits not in (0, 4, 8):
         raise ModelError(f"dense_bits must be 0, 4 or 8, got {raw.get('dense_bits')!r}", path)

@@ -59,6 +59,8 @@ class RawExpertSource:
             pos += nbytes
         if pos != self.blob_nbytes:
             raise ModelError(f"layer {layer} expert {expert}: read {pos} bytes, expected {self.blob_nbytes}", self.ckpt.dir)
+        self.ckpt.check_expert_finite(layer, expert, out[:pos].view(np.float32 if self.elem == 4 else np.uint16),
+                                      "F32" if self.elem == 4 else "BF16")
 
     def forward(self, blob: np.ndarray, x: np.ndarray, y: np.ndarray, w: float) -> None:
         """y += w * down(silu(gate x) * up x)."""

@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from tierlab.engine.atomic import write_atomic
+from tierlab.engine.bounded_read import open_regular
 from tierlab.engine.errors import FormatError
 
 MAGIC = 0x51544831  # "1HTQ" as little-endian bytes
@@ -89,27 +89,34 @@ class HeatProfile:
             raise FormatError(
                 f"heat profile {what}: {layers}x{experts} needs {expected} bytes, file has {len(data)}", source
             )
-        if (n_layers is not None and layers != n_layers) or (n_experts is not None and experts != n_experts):
-            raise FormatError(
-                f"heat profile is {layers} layers x {experts} experts, "
-                f"the model has {n_layers if n_layers is not None else layers} x "
-                f"{n_experts if n_experts is not None else experts}",
-                source,
-            )
+        _check_model_dims(layers, experts, n_layers, n_experts, source)
         counts = np.frombuffer(data, dtype="<u4", offset=4 * HEADER_WORDS).astype(np.int64).reshape(layers, experts)
         return cls(layers, experts, counts)
 
     @classmethod
     def read(cls, path: str | os.PathLike, n_layers: int | None = None, n_experts: int | None = None) -> "HeatProfile":
-        """Read a heat file, checking it against the model's dims when given."""
+        """Read a heat file, checking it against the model's dims when given.
+
+        The header's dims give the file's exact size: a file of any other size
+        is refused before its counts are read."""
+        fd, size = open_regular(path, "heat profile", FormatError)
         try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise FormatError("heat profile not found", path) from None
-        except IsADirectoryError:
-            raise FormatError("heat profile is a directory", path) from None
+            head = os.pread(fd, 4 * HEADER_WORDS, 0)
+            data = head  # anything but a well-formed header: from_bytes names the problem from it
+            if len(head) == 4 * HEADER_WORDS:
+                magic, layers, experts = (int(v) for v in np.frombuffer(head, dtype="<u4"))
+                if magic == MAGIC and layers and experts:
+                    expected = 4 * (HEADER_WORDS + layers * experts)
+                    if size != expected:
+                        what = "truncated" if size < expected else "has trailing bytes"
+                        raise FormatError(f"heat profile {what}: {layers}x{experts} needs {expected} bytes, "
+                                          f"file has {size}", path)
+                    _check_model_dims(layers, experts, n_layers, n_experts, path)
+                    data = os.pread(fd, expected, 0)
         except OSError as exc:
             raise FormatError(f"cannot read heat profile: {exc.strerror}", path) from None
+        finally:
+            os.close(fd)
         return cls.from_bytes(data, path, n_layers, n_experts)
 
     # --- planning -------------------------------------------------------
@@ -133,6 +140,16 @@ class HeatProfile:
 
     def summaries(self, top: int = 8) -> list["LayerSummary"]:
         return [self.summary(layer, top) for layer in range(self.n_layers)]
+
+
+def _check_model_dims(layers: int, experts: int, n_layers: int | None, n_experts: int | None, source) -> None:
+    if (n_layers is not None and layers != n_layers) or (n_experts is not None and experts != n_experts):
+        raise FormatError(
+            f"heat profile is {layers} layers x {experts} experts, "
+            f"the model has {n_layers if n_layers is not None else layers} x "
+            f"{n_experts if n_experts is not None else experts}",
+            source,
+        )
 
 
 def index_order(n_layers: int, n_experts: int, budget_experts: int) -> list[tuple[int, int]]:

@@ -270,6 +270,13 @@ class Engine:
             raise ValueError("forward needs at least one token")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ModelError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        context = self.config.max_positions
+        if context and self.pos + ids.size > context:
+            if self.pos == 0:
+                raise ModelError(f"the prompt has {ids.size} tokens, more than the model's context "
+                                 f"({context} tokens, max_position_embeddings)")
+            raise ModelError(f"the sequence would reach {self.pos + ids.size} tokens, more than the model's "
+                             f"context ({context} tokens, max_position_embeddings)")
         with self._lock:
             return self._forward(ids, all_logits, phase or ("prefill" if ids.size > 1 else "decode"))
 
@@ -351,7 +358,8 @@ class Engine:
     def generate(self, prompt_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_event: threading.Event | None = None, eos_ids=None,
                  conversation=None) -> Iterator[int]:
-        """Yield new token ids; greedy at temperature 0; stops at EOS, max tokens or stop_event.
+        """Yield new token ids; greedy at temperature 0; stops at EOS, max tokens, stop_event or the
+        end of the model's context.
         With a `conversation` (engine/conversation.py) the prompt continues its sequence state:
         only what the state does not hold is prefilled."""
         if conversation is not None:
@@ -369,6 +377,8 @@ class Engine:
         ends the reply; an EOS or a stop is not fed."""
         sampler = Sampler(temperature, top_p, seed)
         eos = set(self.eos_ids() if eos_ids is None else eos_ids)
+        if self.config.max_positions:  # prompt + new tokens never exceed max_position_embeddings
+            max_new_tokens = min(max_new_tokens, self.config.max_positions - self.pos)
         for _ in range(max_new_tokens):
             if stop_event is not None and stop_event.is_set():
                 return

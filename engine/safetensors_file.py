@@ -20,7 +20,9 @@ from typing import Iterable
 import numpy as np
 
 from tierlab.engine import hugepages
+from tierlab.engine.bounded_read import open_regular
 from tierlab.engine.errors import ModelError
+from tierlab.engine.finite import require_finite
 
 # safetensors dtype name -> (numpy storage dtype, bytes per element).
 # bf16 is kept as its raw uint16 bit pattern; kernels widen it exactly.
@@ -67,22 +69,52 @@ class TensorInfo:
         return n
 
 
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """json object hook: a name defined twice is refused, not silently overwritten."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateName(key)
+        out[key] = value
+    return out
+
+
+class _DuplicateName(ValueError):
+    pass
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 80 else name[:77] + "..."
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one file's header; every range must lie inside the file."""
+    """Parse and validate one file's header: each tensor's dtype, shape and byte range agree,
+    every range lies inside the file, no two ranges overlap and no name is defined twice."""
+    fd, size = open_regular(path, "safetensors file", ModelError)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ModelError(f"truncated safetensors file ({size} bytes, no header)", path)
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise ModelError(f"truncated or corrupt safetensors header (claims {n} bytes, file has {size})", path)
-            blob = f.read(n)
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise ModelError(f"truncated safetensors file ({size} bytes, no header)", path)
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise ModelError(f"truncated or corrupt safetensors header (claims {n} bytes, file has {size}; "
+                             f"at most {MAX_HEADER})", path)
+        blob = os.pread(fd, n, 8)
+        if len(blob) < n:
+            raise ModelError(f"short read of the safetensors header ({len(blob)} of {n} bytes)", path)
     except OSError as exc:
         raise ModelError(f"cannot read: {exc.strerror or exc}", path) from None
+    finally:
+        os.close(fd)
     try:
-        header = json.loads(blob.decode("utf-8"))
+        text = blob.decode("utf-8")
+        header = json.loads(text)
+        if isinstance(header, dict) and text.count('"data_offsets"') != len(header) - ("__metadata__" in header):
+            header = json.loads(text, object_pairs_hook=_no_duplicates)  # the slow parse names the duplicate
+    except _DuplicateName as exc:
+        raise ModelError(f"safetensors header defines {_short(str(exc))} twice", path) from None
+    except RecursionError:
+        raise ModelError("corrupt safetensors header (nested too deeply)", path) from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ModelError("corrupt safetensors header (not JSON)", path) from None
     if not isinstance(header, dict):
@@ -93,34 +125,67 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        shown = _short(name)
         try:
             dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(v) for v in entry["data_offsets"])
+            shape = tuple(_dim(d) for d in entry["shape"])
+            begin, end = (_dim(v) for v in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise ModelError(f"tensor {name}: malformed header entry", path) from None
-        if dtype not in DTYPES:
-            raise ModelError(f"tensor {name}: unsupported dtype {dtype}", path)
-        if any(d < 0 for d in shape):
-            raise ModelError(f"tensor {name}: negative dimension in shape {list(shape)}", path)
+            raise ModelError(f"tensor {shown}: malformed header entry", path) from None
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ModelError(f"tensor {shown}: unsupported dtype {_short(str(dtype))}", path)
+        if len(shape) > MAX_RANK:
+            raise ModelError(f"tensor {shown}: {len(shape)} dimensions (at most {MAX_RANK})", path)
         numel = 1
         for d in shape:
             numel *= d
-        if not 0 <= begin <= end or end - begin != numel * DTYPES[dtype][1]:
-            raise ModelError(f"tensor {name}: byte range {begin}..{end} does not match shape {list(shape)} {dtype}", path)
+        if not begin <= end or end - begin != numel * DTYPES[dtype][1]:
+            raise ModelError(f"tensor {shown}: byte range {begin}..{end} does not match shape {list(shape)} {dtype}",
+                             path)
         if end > data_len:
             raise ModelError(
-                f"tensor {name}: data ends at byte {data_start + end} but the file has {size} (truncated?)", path
+                f"tensor {shown}: data ends at byte {data_start + end} but the file has {size} (truncated?)", path
             )
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
+    _check_layout(tensors, data_start, size, path)
     return tensors
 
 
+#: more dimensions than any weight has: a header claiming them is corrupt
+MAX_RANK = 8
+
+
+def _dim(value) -> int:
+    """A non-negative integer from a header (a float, bool, string or negative value is malformed)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(value)
+    return value
+
+
+def _check_layout(tensors: dict[str, TensorInfo], data_start: int, size: int, path: Path) -> None:
+    """Two tensors sharing bytes would alias each other's weights, and bytes no tensor owns mean
+    the header and the data disagree (a shifted header length, a spliced file): refuse both.
+    The format lays tensors end to end from the start of the data to the end of the file."""
+    ranges = sorted((info.offset, info.offset + info.nbytes, name) for name, info in tensors.items() if info.nbytes)
+    for (_, end_a, name_a), (begin_b, _, name_b) in zip(ranges, ranges[1:]):
+        if begin_b < end_a:
+            raise ModelError(f"tensors {_short(name_a)} and {_short(name_b)} overlap (bytes {begin_b}..{end_a})", path)
+    at = data_start
+    for begin, end, name in ranges:
+        if begin != at:
+            raise ModelError(f"bytes {at}..{begin} before tensor {_short(name)} belong to no tensor", path)
+        at = end
+    if at != size:
+        raise ModelError(f"bytes {at}..{size} at the end belong to no tensor (header and data disagree)", path)
+
+
 def read_tensor(info: TensorInfo) -> np.ndarray:
-    """Read a whole tensor into memory in its storage dtype (bf16 as uint16)."""
+    """Read a whole tensor into memory in its storage dtype (bf16 as uint16); a float tensor
+    holding NaN or infinity is refused here, once, at load."""
     np_dtype, _ = DTYPES[info.dtype]
     out = hugepages.empty(info.shape, np_dtype)
     read_into(info.path, info.offset, out.reshape(-1).view(np.uint8))
+    require_finite(out, info.dtype, f"tensor {info.name}", info.path)
     return out
 
 

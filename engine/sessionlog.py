@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from tierlab.engine.bounded_read import LOG_LINE_LIMIT, open_binary, read_line
 from tierlab.engine.errors import FormatError
 from tierlab.engine.events import LayerRoute, TokenEvent
 from tierlab.engine.routing import topk_kl
@@ -372,14 +373,18 @@ def read_session_log(path: str | os.PathLike) -> SessionLog:
     not a session log, or of another format version.
     """
     path = Path(path)
-    try:
-        handle = open(path, "rb")
-    except OSError as exc:
-        raise FormatError(f"cannot read session log: {exc.strerror}", path) from None
-    with handle:
+    with open_binary(path, "session log", FormatError) as handle:
         header = _read_header(path, handle.readline(MAX_HEADER_BYTES))
         log = SessionLog(str(path), header)
-        for line_no, raw in enumerate(handle, start=2):
+        line_no = 1
+        while True:
+            raw, whole = read_line(handle, LOG_LINE_LIMIT, skip=False)  # reading stops at a long line
+            line_no += 1
+            if not raw:
+                break
+            if not whole:
+                log.damage = f"line {line_no} is longer than {LOG_LINE_LIMIT} bytes"
+                break
             if not raw.strip():
                 continue
             record = _parse_line(raw)

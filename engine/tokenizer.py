@@ -14,6 +14,7 @@ from pathlib import Path
 from jinja2 import TemplateError as JinjaTemplateError
 from jinja2.exceptions import SecurityError
 
+from tierlab.engine.bounded_read import read_text
 from tierlab.engine.errors import ModelError, TemplateError
 from tierlab.engine.template_budget import BudgetedSandbox, TemplateBudgetError
 
@@ -85,8 +86,9 @@ class Tokenizer:
     def __init__(self, path: Path, config: dict, template: ChatTemplate | None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
+        text = read_text(path, "tokenizer.json", ModelError)
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            self._tok = HFTokenizer.from_str(text)
         except Exception as exc:  # the tokenizers library raises plain Exception subclasses
             raise ModelError(f"cannot load tokenizer: {str(exc).splitlines()[0]}", path) from None
         self.path = path
@@ -104,9 +106,12 @@ class Tokenizer:
         cfg_path = folder / "tokenizer_config.json"
         config: dict = {}
         if cfg_path.exists():
+            text = read_text(cfg_path, "tokenizer_config.json", ModelError)
             try:
-                config = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                config = json.loads(text)
+            except RecursionError:
+                raise ModelError("nested too deeply", cfg_path) from None
+            except json.JSONDecodeError as exc:
                 raise ModelError(f"cannot read: {exc}", cfg_path) from None
             if not isinstance(config, dict):
                 raise ModelError("not a JSON object", cfg_path)
@@ -120,7 +125,7 @@ class Tokenizer:
                     source = entry.get("template")
         jinja_path = folder / "chat_template.jinja"
         if source is None and jinja_path.exists():
-            source, origin = jinja_path.read_text(encoding="utf-8"), jinja_path
+            source, origin = read_text(jinja_path, "chat template", TemplateError), jinja_path
         special = {k: _token_text(config.get(k)) or "" for k in ("bos_token", "eos_token", "pad_token")}
         template = ChatTemplate(source, origin, special) if source else None
         return cls(folder / "tokenizer.json", config, template)

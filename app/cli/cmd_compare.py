@@ -11,6 +11,7 @@ next-token distributions, which logs do not hold), so it shows '–' and
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 
@@ -20,6 +21,12 @@ from tierlab.app.lab.gates import judge
 from tierlab.engine.errors import FormatError, TierlabError
 from tierlab.engine.fingerprint import short
 from tierlab.engine.sessionlog import read_session_log
+
+
+#: summary figures a table row shows as numbers
+NUMERIC_SUMMARY = ("tf_nll", "route_kl")
+#: per-layer fields that hold expert ids (-1: an unfilled slot)
+EXPERT_ID_FIELDS = ("chosen", "true_topk")
 
 
 def add_parser(subparsers) -> None:
@@ -52,6 +59,43 @@ def _fingerprints(paths: list[str]) -> tuple[dict[str, str | None], list[str]]:
     return found, old
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_log_values(path: str) -> None:
+    """Refuse, in one line naming the file, a log whose expert ids lie outside the header's
+    model or whose summary figures are not numbers: a table built from them would be wrong."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the table's own read reports damage once
+        log = read_session_log(path)
+    model = log.header.get("model") if isinstance(log.header.get("model"), dict) else {}
+    n_layers, n_experts = model.get("n_layers"), model.get("n_experts")
+    layer_cap = n_layers if _is_int(n_layers) and n_layers > 0 else 1 << 12
+    expert_cap = n_experts if _is_int(n_experts) and n_experts > 0 else 1 << 16
+    for token in log.tokens:
+        if not _is_int(token.get("index")) or token["index"] < 0:
+            raise FormatError(f"token record has index {token.get('index')!r:.40}, not a position", path)
+        for layer in token["layers"]:
+            if not isinstance(layer, dict):
+                raise FormatError(f"token {token['index']}: a layer record is not an object", path)
+            if not _is_int(layer.get("layer")) or not 0 <= layer["layer"] < layer_cap:
+                raise FormatError(f"token {token['index']}: layer {layer.get('layer')!r:.40} is outside "
+                                  f"0..{layer_cap - 1}", path)
+            for key in EXPERT_ID_FIELDS:
+                ids = layer.get(key)
+                if not isinstance(ids, list) or not all(_is_int(i) and -1 <= i < expert_cap
+                                                        for i in ids):
+                    raise FormatError(f"token {token['index']} layer {layer['layer']}: {key} holds ids outside "
+                                      f"-1..{expert_cap - 1}", path)
+    summary = log.summary or {}
+    figures = {**summary.get("meters", {}), **summary} if isinstance(summary.get("meters"), dict) else summary
+    for key in NUMERIC_SUMMARY:
+        value = figures.get(key)
+        if value is not None and not (_is_int(value) or (isinstance(value, float) and math.isfinite(value))):
+            raise FormatError(f"summary {key} is {value!r:.40}, not a number", path)
+
+
 def run(args: argparse.Namespace) -> int:
     gates = gates_from_args(args)
     groups = []
@@ -59,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         paths = [p for p in arg.split(",") if p]
         if not paths:
             raise FormatError("no session log named", arg)
+        for path in paths:
+            check_log_values(path)
         groups.append(paths)
     prints, old = _fingerprints([p for paths in groups for p in paths])
     models = {fp for fp in prints.values() if fp is not None}

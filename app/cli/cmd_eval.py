@@ -9,7 +9,7 @@ from tierlab.app.cli.log_args import add_log_args, check_log_target
 from tierlab.app.cli.signals import sigterm_exits
 from tierlab.app.cli.engine_options import (add_knobs_at_arg, add_model_args, knob_steps_from_args, open_engine,
                                             print_notices)
-from tierlab.app.lab.evaluate import format_report, read_ref, run_eval
+from tierlab.app.lab.evaluate import check_ref_fits, format_report, read_ref, run_eval
 from tierlab.engine.meters import meters_json
 from tierlab.engine.session import EngineLog
 
@@ -32,6 +32,7 @@ def run(args) -> int:
     with sigterm_exits():
         engine = open_engine(args, with_tokenizer=False)
         try:
+            check_ref_fits(args.ref, prompt, full, engine)
             log = EngineLog(engine, args.log, append=args.append) if args.log else None
             try:
                 result = run_eval(engine, prompt, full, ppl=args.ppl, on_generated=log.detach if log else None,

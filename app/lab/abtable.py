@@ -123,7 +123,7 @@ def summarise_log(path: str | Path) -> dict[str, Any]:
     log = read_session_log(path)
     try:
         return _summarise(log)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, IndexError) as exc:
         raise FormatError(f"session log records are malformed ({type(exc).__name__}: {exc})", path) from None
 
 

@@ -22,25 +22,50 @@ import numpy as np
 from tierlab.app.lab.knob_script import KnobStep, ScriptedRun
 from tierlab.app.lab.oracle import OracleBand, OracleReading
 from tierlab.engine.atomic import write_atomic
+from tierlab.engine.bounded_read import read_text
 from tierlab.engine.errors import FormatError
 from tierlab.engine.meters import METER_BY_KEY, MeterFold
 from tierlab.engine.model import TIMER_NAMES, Engine
 from tierlab.engine.routing import format_footer
 
 
-def read_ref(path: str | Path) -> tuple[list[int], list[int]]:
+#: a token id beyond this is no model's vocabulary (engine/config.py caps vocab_size below it)
+MAX_TOKEN_ID = 1 << 31
+
+
+def read_ref(path: str | Path, vocab_size: int | None = None) -> tuple[list[int], list[int]]:
+    """A reference's prompt and full ids; ids must be integers in [0, vocab_size) (one line otherwise)."""
     path = Path(path)
+    text = read_text(path, "reference", FormatError)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        prompt = [int(i) for i in data["prompt_ids"]]
-        full = [int(i) for i in data["full_ids"]]
-    except FileNotFoundError:
-        raise FormatError("no such reference file", path) from None
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        data = json.loads(text)
+        raw_prompt, raw_full = data["prompt_ids"], data["full_ids"]
+        if not isinstance(raw_prompt, list) or not isinstance(raw_full, list):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise FormatError('not a reference file (expected {"prompt_ids": [...], "full_ids": [...]})', path) from None
+    limit = MAX_TOKEN_ID if vocab_size is None else vocab_size
+    for key, ids in (("prompt_ids", raw_prompt), ("full_ids", raw_full)):
+        for pos, value in enumerate(ids):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise FormatError(f"{key}[{pos}] = {shown} is not a token id (an integer in 0..{limit - 1})", path)
+    prompt, full = list(raw_prompt), list(raw_full)
     if not prompt or len(full) <= len(prompt) or full[: len(prompt)] != prompt:
         raise FormatError("full_ids must extend prompt_ids by at least one token", path)
     return prompt, full
+
+
+def check_ref_fits(path: str | Path, prompt: list[int], full: list[int], engine: Engine) -> None:
+    """A reference must use the model's vocabulary and fit its context (one line naming the file)."""
+    vocab = int(engine.config.vocab_size)
+    bad = next((i for i in full if i >= vocab), None)
+    if bad is not None:
+        raise FormatError(f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})", path)
+    context = int(engine.config.max_positions)
+    if context and len(full) - 1 > context:
+        raise FormatError(f"the reference needs {len(full) - 1} positions, more than the model's context "
+                          f"({context}, max_position_embeddings)", path)
 
 
 def write_ref(path: str | Path, prompt: list[int], full: list[int]) -> None:
@@ -94,6 +119,10 @@ def greedy_decode(engine: Engine, prompt: list[int], n: int,
                   steps: list[KnobStep] | None = None) -> tuple[list[int], dict]:
     """Greedy continuation of n tokens; also returns the run's meters (RunMeters.summary) with
     its "segments" (one per knob setting; `steps` change knobs before given tokens)."""
+    context = int(engine.config.max_positions)
+    if context and len(prompt) + n - 1 > context:  # a fixed count is refused, not cut short
+        raise FormatError(f"{len(prompt)} prompt + {n} new tokens need {len(prompt) + n - 1} positions, more than "
+                          f"the model's context ({context}, max_position_embeddings)")
     run = RunMeters(engine)
     script = ScriptedRun(engine, steps or [])
     out: list[int] = []

@@ -25,6 +25,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer
 
 from tierlab.app.cli.errors import error_line
+from tierlab.app.cli.signals import exit_on_sigterm
 from tierlab.app.tui.chat import NO_TOKENIZER_HINT, ChatMessage, ChatPane, looks_like_code
 from tierlab.app.tui.engine_watch import EngineWatch, format_knob_value
 from tierlab.app.tui.keys import key_label, keys_for_action
@@ -157,6 +158,7 @@ class TierlabApp(AppTools, App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._remove_sigterm = exit_on_sigterm(lambda code: self.exit(return_code=code))  # unmount closes the engine
         if self.start_theme:
             if self.start_theme in self.available_themes:
                 self.theme = self.start_theme
@@ -762,6 +764,7 @@ class TierlabApp(AppTools, App):
     # -- shutdown -----------------------------------------------------------------
 
     def on_unmount(self) -> None:
+        getattr(self, "_remove_sigterm", lambda: None)()
         self._stop_event.set()
         if self.recorder is not None:
             try:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tierlab.engine.bounded_read import open_binary, read_line
+from tierlab.engine.errors import TierlabError
 from tierlab.engine.heat import HeatProfile
 
 LOG_SUFFIX = ".jsonl"
@@ -96,12 +98,16 @@ def describe_log(path: Path) -> LogListing:
     knobs = "not a session log"
     records = 0
     try:
-        with open(path, "rb") as handle:
+        with open_binary(path, "session log", limit=None) as handle:
             header = json.loads(handle.readline(1 << 20).decode("utf-8"))
             if isinstance(header, dict) and header.get("type") == "header":
                 knobs = start_label(header)
-            records = sum(1 for line in handle if line.strip())
-    except (OSError, UnicodeDecodeError, ValueError):
+            while True:  # line by line in bounded pieces: one huge line is never held whole
+                line, _ = read_line(handle)
+                if not line:
+                    break
+                records += bool(line.strip())
+    except (TierlabError, OSError, UnicodeDecodeError, ValueError, RecursionError):
         pass
     return LogListing(path, knobs, records, stat.st_size, stat.st_mtime)
 

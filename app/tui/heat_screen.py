@@ -25,7 +25,7 @@ from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 
 from tierlab.app.tui.files import list_heat_files
 
-from tierlab.engine.errors import TierlabError
+from tierlab.app.cli.errors import error_line
 from tierlab.engine.heat import HeatProfile, LayerDiff, diff
 from tierlab.widgets.heatmap import DIFF_MODE, ExpertHeatmap, HeatmapData
 
@@ -170,8 +170,8 @@ class HeatInspector(Screen):
     def _read(self, raw: str) -> HeatProfile | None:
         try:
             return HeatProfile.read(Path(raw).expanduser())
-        except TierlabError as exc:
-            self.app.notify(str(exc), title="Heat profile", severity="error")
+        except Exception as exc:  # any bad file is one notification; the app keeps running
+            self.app.notify(error_line(exc), title="Heat profile", severity="error")
             return None
 
     @on(Input.Submitted, "#heat-path-a, #heat-path-b")
@@ -195,8 +195,8 @@ class HeatInspector(Screen):
                 return
             try:
                 diffs = diff(profile_a, profile_b)
-            except TierlabError as exc:
-                self.app.notify(str(exc), title="Compare", severity="error")
+            except Exception as exc:
+                self.app.notify(error_line(exc), title="Compare", severity="error")
                 return
             self.query_one("#pane-b", ProfilePane).show(profile_b, path_b, diffs)
             self.showing_difference = False

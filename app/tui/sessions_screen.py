@@ -21,7 +21,7 @@ from textual.widgets import Button, DataTable, Footer, Header, Input, Static
 from tierlab.app.tui.files import describe_log, list_logs, read_header, stamped_path, start_label
 from tierlab.app.lab import abtable
 from tierlab.engine.atomic import write_atomic
-from tierlab.engine.errors import TierlabError
+from tierlab.app.cli.errors import error_line
 
 
 def ab_rows(path_a: Path, path_b: Path) -> list[dict]:
@@ -167,9 +167,9 @@ class SessionsScreen(Screen):
     def build_table(self) -> None:
         try:
             self.rows = ab_rows(self.picked["a"], self.picked["b"])
-        except (TierlabError, OSError, ValueError) as exc:
+        except Exception as exc:  # any bad log is one notification; the app keeps running
             self.rows = []
-            self.app.notify(str(exc).splitlines()[0], title="A/B", severity="error")
+            self.app.notify(error_line(exc), title="A/B", severity="error")
             return
         titles, body = abtable.table_cells(self.rows)
         titles, body, dropped = drop_empty_columns(titles, body)
