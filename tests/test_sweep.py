@@ -15,7 +15,7 @@ import tierlab
 from conftest import run_cli
 from tierlab.app.cli.main import main
 from tierlab.app.lab.evaluate import read_ref, write_ref
-from tierlab.app.lab.sweep import (RowSettings, grid_rows, paired_bootstrap, parse_grid, run_sweep)
+from tierlab.app.lab.sweep import (RowSettings, grid_rows, parse_grid, run_sweep)
 from tierlab.app.lab.sweep_report import pareto_front, png_plot, svg_plot
 from tierlab.engine.errors import TierlabError
 
@@ -96,17 +96,6 @@ def test_interrupted_sweep_keeps_its_rows_and_resumes(tmp_path):
     # another text is another sweep: nothing of this file is reused
     other = run_sweep(FIXTURE, prompt, full[:-1], rows, workers=1, out=out, resume=True)
     assert other.resumed == 0
-
-
-def test_bootstrap_interval_contains_the_true_mean():
-    rng = np.random.default_rng(7)
-    covered = 0
-    for trial in range(40):
-        diff = rng.normal(0.3, 1.0, size=400)
-        lo, hi = paired_bootstrap(diff, resamples=500)
-        assert lo < diff.mean() < hi
-        covered += lo <= 0.3 <= hi
-    assert covered >= 34  # a 95% interval: about 38 of 40
 
 
 def test_grid_parsing_and_the_front():

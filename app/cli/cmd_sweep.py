@@ -7,8 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+from tierlab.app.cli.gate_args import add_gate_args, gates_from_args
 from tierlab.app.cli.signals import sigterm_exits
 from tierlab.app.lab.evaluate import read_ref
+from tierlab.app.lab.gates import judge
 from tierlab.app.lab.sweep import check_cache, grid_rows, parse_grid, run_sweep, with_baselines
 from tierlab.app.lab.sweep_report import PLOT_KINDS, pareto_front, render_csv, render_table, terminal_plot, write_plot
 from tierlab.engine.config import load_config
@@ -45,6 +47,7 @@ def add_parser(subparsers) -> None:
     fmt.add_argument("--md", action="store_true", help="print the table as markdown")
     p.add_argument("--protocol", choices=("paper", "strategies"), default=None,
                    help="paper: the arXiv 2412.00099 protocol table; strategies: each strategy's dial (docs/routing.md)")
+    add_gate_args(p)
     p.set_defaults(run=run)
 
 
@@ -115,6 +118,9 @@ def run(args) -> int:
         result = run_sweep(model, prompt, full, rows, workers=workers, ray_address=args.ray, out=args.out,
                            resume=args.resume, progress=lambda s: print(s, file=sys.stderr),
                            ray_cpus=args.workers, ray_timeout_s=args.ray_timeout)
+    gates = gates_from_args(args)
+    for row in result.rows:
+        row["gate"] = judge(row, gates).label()
     if args.plot:
         write_plot(args.plot, result.rows)
     if args.json:

@@ -25,7 +25,6 @@ keeps them and `resume` skips them.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import itertools
 import json
 import math
@@ -40,8 +39,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from tierlab.app.lab import paired
 from tierlab.app.lab.evaluate import teacher_forced_run
+from tierlab.app.lab.paired import Trace
 from tierlab.engine.errors import TierlabError
+from tierlab.engine.fingerprint import model_fingerprint
 from tierlab.engine.knobs import SPEC_BY_NAME, KnobError, Knobs, parse_value
 from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
@@ -49,7 +51,6 @@ from tierlab.engine.tiering import TierOptions
 CACHE_KEY = "CACHE"
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 20241200  # fixed: a row's interval is the same on every run and machine
-FLIP_CONFIDENCE = 0.5
 RESULTS_FORMAT = "tierlab-sweep-row"
 
 
@@ -219,35 +220,16 @@ def token_nll(log_probs: np.ndarray, prompt_len: int, full: tuple[int, ...]) -> 
     return -log_probs[np.arange(len(targets)), targets]
 
 
-def paired_bootstrap(diff: np.ndarray, resamples: int = BOOTSTRAP_RESAMPLES,
-                     seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
-    """The 95% percentile interval of the mean of `diff` (per-token row − baseline), tokens resampled
-    with replacement as pairs; seeded, so the interval is reproducible."""
-    if diff.size == 0:
-        return (math.nan, math.nan)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, diff.size, size=(resamples, diff.size))
-    means = diff[idx].mean(axis=1)
-    lo, hi = np.quantile(means, [0.025, 0.975])
-    return float(lo), float(hi)
-
-
 def paired_metrics(row: np.ndarray, base: np.ndarray, prompt_len: int, full: tuple[int, ...]) -> dict:
-    """The row against its baseline, token by token (both [tokens, vocab] log probabilities)."""
-    d = token_nll(row, prompt_len, full) - token_nll(base, prompt_len, full)
-    lo, hi = paired_bootstrap(d)
-    p_base = np.exp(base)
-    kl = np.maximum((p_base * (base - row)).sum(axis=1), 0.0)
-    top_base = base.argmax(axis=1)
-    top_row = row.argmax(axis=1)
-    confident = p_base[np.arange(len(top_base)), top_base] > FLIP_CONFIDENCE
-    return {
-        "dnll": float(d.mean()), "dnll_lo": lo, "dnll_hi": hi,
-        "agree": float((top_base == top_row).mean()),
-        "kl_mean": float(kl.mean()), "kl_p50": float(np.quantile(kl, 0.5)), "kl_p99": float(np.quantile(kl, 0.99)),
-        "flips": float((confident & (top_base != top_row)).mean()),
-        "flip_count": int((confident & (top_base != top_row)).sum()),
-    }
+    """The row against its baseline, token by token (both [tokens, vocab] log probabilities), by the
+    pairing `replay` and `ab` use (app/lab/paired.py)."""
+    def trace(log_probs: np.ndarray) -> Trace:
+        nll = token_nll(log_probs, prompt_len, full)
+        return Trace(log_probs, nll, log_probs.argmax(axis=1), float(nll.mean()) if nll.size else math.nan)
+
+    figures = paired.paired_metrics(trace(base), trace(row), seed=BOOTSTRAP_SEED, resamples=BOOTSTRAP_RESAMPLES)
+    keys = ("dnll", "dnll_lo", "dnll_hi", "agree", "kl_mean", "kl_p50", "kl_p99", "flips")
+    return {**{k: figures[k] for k in keys}, "flip_count": figures["flips_n"]}
 
 
 ROW_METERS = ("ram_hit", "shadow_hit", "oracle_hit", "swap", "route_agree", "route_kl", "lru_half", "lru_1x",
@@ -324,13 +306,9 @@ def reference_digest(prompt: list[int], full: list[int]) -> str:
     return hashlib.sha256(json.dumps([len(prompt), list(full)]).encode()).hexdigest()[:16]
 
 
-def model_identity(model: str | Path) -> str | None:
-    """The model fingerprint (engine/fingerprint.py) where this tree has one, else None."""
-    if importlib.util.find_spec("tierlab.engine.fingerprint") is None:
-        return None
-    from tierlab.engine import fingerprint  # noqa: PLC0415 (optional home)
-
-    return fingerprint.model_fingerprint(model)
+def model_identity(model: str | Path) -> str:
+    """The model fingerprint (engine/fingerprint.py): a resumed sweep must be of the same weights' index."""
+    return model_fingerprint(model)
 
 
 class ResultsFile:

@@ -25,7 +25,7 @@ COLUMNS = (
     ("route_agree", "route agree", "pct"), ("tf_nll", "TF-NLL", "num4"), ("dnll", "ΔNLL", "nll"),
     ("dnll_lo", "ΔNLL lo", "nll"), ("dnll_hi", "ΔNLL hi", "nll"), ("dppl_pct", "Δppl %", "num2"),
     ("agree", "top-1 agree", "pct"), ("kl_mean", "KL mean", "num3"), ("kl_p99", "KL p99", "num3"),
-    ("flips", "flips", "pct"),
+    ("flips", "flips", "pct"), ("gate", "gate", "str"),
 )
 
 
@@ -57,10 +57,16 @@ def pareto_front(rows: list[dict]) -> list[dict]:
     return sorted(front, key=lambda r: (r["ram_hit"], r["dnll"]))
 
 
+def shown_columns(rows: list[dict]) -> tuple:
+    """The columns, the gate verdict only where the rows were judged (`tierlab sweep` judges them)."""
+    return tuple(c for c in COLUMNS if c[0] != "gate" or any("gate" in r for r in rows))
+
+
 def render_table(rows: list[dict], markdown: bool = False) -> str:
     front = {id(r) for r in pareto_front(rows)}
-    head = [t for _, t, _ in COLUMNS] + ["front"]
-    body = [[show(r.get(k), kind) for k, _, kind in COLUMNS] + ["*" if id(r) in front else ""] for r in rows]
+    columns = shown_columns(rows)
+    head = [t for _, t, _ in columns] + ["front"]
+    body = [[show(r.get(k), kind) for k, _, kind in columns] + ["*" if id(r) in front else ""] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
@@ -72,7 +78,7 @@ def render_table(rows: list[dict], markdown: bool = False) -> str:
 
 
 def render_csv(rows: list[dict]) -> str:
-    keys = [k for k, _, _ in COLUMNS] + ["dnll_lo", "kl_p50", "flip_count", "ppl", "shadow_hit", "route_kl",
+    keys = [k for k, _, _ in shown_columns(rows)] + ["dnll_lo", "kl_p50", "flip_count", "ppl", "shadow_hit", "route_kl",
                                           "tokens", "baseline"]
     keys = list(dict.fromkeys(keys))
     buf = io.StringIO()
