@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO, run_cli
 from tierlab.app.lab.bootstrap import paired_bootstrap
 from tierlab.app.lab.evaluate import read_ref, run_eval
+from tierlab.app.lab.gates import Gates
 from tierlab.app.lab.knob_script import KnobStep
 from tierlab.app.lab.replay import check_model, read_recording, run_replay
 from tierlab.engine.errors import FormatError, TierlabError
@@ -67,7 +68,12 @@ def test_the_lever_raises_the_hit_rate_and_moves_the_distribution(replayed):
     assert 0 < m["agree"] < 1
     assert m["dnll_lo"] <= m["dnll"] <= m["dnll_hi"]
     assert m["diverge"] is not None and 0 <= m["diverge"] < len(base.generated)
-    assert not lever.verdict.passed and "agree" in lever.verdict.failed
+    # the lever fails the default gates, and each gate it fails is one whose figure is past its limit
+    gates = Gates()
+    past = {"dnll_hi": m["dnll_hi"] > gates.dnll, "agree": m["agree"] < gates.agree,
+            "kl_p99": m["kl_p99"] > gates.kl99, "flips": m["flips"] > gates.flips}
+    assert not lever.verdict.passed
+    assert set(lever.verdict.failed) == {key for key, over in past.items() if over}
 
 
 def test_recorded_knob_changes_are_replayed_where_they_were_made(tmp_path):
