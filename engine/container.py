@@ -135,6 +135,85 @@ def read_container_info(folder: str | Path) -> ContainerInfo:
     )
 
 
+def new_container_info(bits: int, n_layers: int, n_experts: int, hidden: int, inter: int, source: str,
+                       prefix: str, dense_bits: int = 0) -> ContainerInfo:
+    """The metadata of a container of that shape: the blob layout and each layer's offset."""
+    layout = BlobLayout(quant_kind(bits), hidden, inter)
+    offsets = [layer * layout.stride * n_experts for layer in range(n_layers)]
+    return ContainerInfo(bits, GROUP, n_layers, n_experts, hidden, inter, layout.nbytes, layout.stride,
+                         offsets, source, prefix, dense_bits)
+
+
+class ExpertBlobWriter:
+    """Writes experts.bin blob by blob: the one way a container's experts are written
+    (convert, make-synthetic), so every container has the same layout::
+
+        with ExpertBlobWriter(folder, info) as w:
+            for layer ...: for expert ...: w.add(layer, expert, blob)
+        write_manifest(folder, w.info)   # after dense.safetensors is written
+
+    add() takes exactly blob_nbytes bytes (any buffer) in any order and writes them at
+    their offset; finish() checks every blob was added and pads experts.bin to its full
+    size. Leaving the `with` block calls finish() unless it raised.
+    """
+
+    def __init__(self, folder: str | Path, info: ContainerInfo) -> None:
+        self.folder = Path(folder)
+        self.info = info
+        self._added = np.zeros((info.n_layers, info.n_experts), dtype=bool)
+        self._file = open(self.folder / EXPERTS_BIN, "wb")
+        self._done = False
+
+    def add(self, layer: int, expert: int, blob) -> None:
+        """Write one expert's blob (blob_nbytes bytes) at its offset."""
+        info = self.info
+        if not (0 <= layer < info.n_layers and 0 <= expert < info.n_experts):
+            raise IndexError(f"expert ({layer}, {expert}) outside {info.n_layers} layers x {info.n_experts} experts")
+        view = memoryview(blob).cast("B")
+        if len(view) != info.blob_nbytes:
+            raise ValueError(f"blob of {len(view)} bytes, the container's blobs have {info.blob_nbytes}")
+        offset = info.blob_offset(layer, expert)
+        if self._file.tell() != offset:
+            self._file.seek(offset)
+        self._file.write(view)
+        self._added[layer, expert] = True
+
+    def finish(self) -> ContainerInfo:
+        """Close experts.bin at its full size; ModelError if a blob is missing."""
+        if self._done:
+            return self.info
+        missing = np.argwhere(~self._added)
+        if len(missing):
+            layer, expert = missing[0]
+            self._file.close()
+            raise ModelError(f"{len(missing)} blobs were never written, the first ({layer}, {expert})",
+                             self.folder / EXPERTS_BIN)
+        self._file.truncate(self.info.blob_offset(self.info.n_layers - 1, self.info.n_experts - 1)
+                            + self.info.blob_stride)
+        self._file.close()
+        self._done = True
+        return self.info
+
+    def close(self) -> None:
+        """Close experts.bin without finishing (after an error)."""
+        self._file.close()
+
+    def __enter__(self) -> "ExpertBlobWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.close()
+
+
+def write_manifest(folder: str | Path, info: ContainerInfo) -> ContainerInfo:
+    """Write tierlab_container.json, the last file of a container (its presence marks one)."""
+    write_atomic(Path(folder) / CONTAINER_JSON, json.dumps(info.to_json(), indent=1) + "\n")
+    return info
+
+
 # --- the ExpertSource -----------------------------------------------------------------------
 
 
@@ -226,38 +305,48 @@ def quantises(name: str, dtype: str, shape: list[int], dense_bits: int) -> bool:
             and len(shape) == 2 and shape[1] % GROUP == 0 and shape[0] > 0)
 
 
+def dense_entries(name: str, dtype: str, shape, dense_bits: int, source: str) -> list[DenseEntry]:
+    """What one dense source tensor becomes in dense.safetensors: a copy (fp32 as bf16), or its
+    qweight and qscales parts; the one rule for every container writer."""
+    if quantises(name, dtype, list(shape), dense_bits):
+        rows, cols = shape
+        return [DenseEntry(TensorSpec(name + ".qweight", "I8" if dense_bits == 8 else "U8",
+                                      (rows, cols if dense_bits == 8 else cols // 2)), source, "qweight"),
+                DenseEntry(TensorSpec(name + ".qscales", "F32", (rows, cols // GROUP)), source, "qscales")]
+    return [DenseEntry(TensorSpec(name, "BF16" if dtype == "F32" else dtype, tuple(shape)), source)]
+
+
+def dense_part(entry: DenseEntry, array: np.ndarray | None, dense_bits: int, memo: dict) -> np.ndarray:
+    """The stored bytes of one entry from its source tensor's array (as stored in the source);
+    a quantised matrix is computed once for its two parts (its second part may pass None)."""
+    import ml_dtypes
+
+    if entry.part == "copy":
+        if array.dtype == np.float32 and entry.spec.dtype == "BF16":
+            return array.astype(ml_dtypes.bfloat16).view(np.uint16)
+        return array
+    if memo.get("source") != entry.source:
+        memo["source"], memo["matrix"] = entry.source, quantize_matrix(to_f32(array), dense_bits)
+    m = memo["matrix"]
+    return m.q if entry.part == "qweight" else m.scales
+
+
+DENSE_WRITER_METADATA = {"format": "pt", "writer": "tierlab convert"}
+
+
 def _dense_plan(ckpt: Checkpoint, dense_bits: int = 0) -> list[DenseEntry]:
     """Every tensor of dense.safetensors, in stored name order, under its stored name."""
     plan = []
     for rel, info in sorted(ckpt.tensors.items(), key=lambda item: item[1].name):
-        if EXPERT_TENSOR.match(rel):
-            continue
-        name, dtype, shape = info.name, info.dtype, info.shape
-        if quantises(name, dtype, list(shape), dense_bits):
-            rows, cols = shape
-            plan.append(DenseEntry(TensorSpec(name + ".qweight", "I8" if dense_bits == 8 else "U8",
-                                              (rows, cols if dense_bits == 8 else cols // 2)), rel, "qweight"))
-            plan.append(DenseEntry(TensorSpec(name + ".qscales", "F32", (rows, cols // GROUP)), rel, "qscales"))
-        else:
-            plan.append(DenseEntry(TensorSpec(name, "BF16" if dtype == "F32" else dtype, shape), rel))
+        if not EXPERT_TENSOR.match(rel):
+            plan += dense_entries(info.name, info.dtype, info.shape, dense_bits, rel)
     return plan
 
 
 def _entry_array(ckpt: Checkpoint, entry: DenseEntry, dense_bits: int, memo: dict) -> np.ndarray:
-    """The bytes of one plan entry, read as stored (no load-time normalisation);
-    a quantised matrix is computed once for its two parts."""
-    import ml_dtypes
-
-    info = ckpt.tensors[entry.source]
-    if entry.part == "copy":
-        t = read_tensor(info)
-        if info.dtype == "F32" and entry.spec.dtype == "BF16":
-            t = t.astype(ml_dtypes.bfloat16).view(np.uint16)
-        return t
-    if memo.get("source") != entry.source:
-        memo["source"], memo["matrix"] = entry.source, quantize_matrix(to_f32(read_tensor(info)), dense_bits)
-    m = memo["matrix"]
-    return m.q if entry.part == "qweight" else m.scales
+    """The bytes of one plan entry, read as stored (no load-time normalisation)."""
+    quantised = entry.part != "copy" and memo.get("source") == entry.source
+    return dense_part(entry, None if quantised else read_tensor(ckpt.tensors[entry.source]), dense_bits, memo)
 
 
 def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | None = None,
@@ -278,7 +367,7 @@ def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | 
             if progress:
                 progress(e.spec.name)
 
-    metadata = {"format": "pt", "writer": "tierlab convert", "dense_bits": str(dense_bits)}
+    metadata = {**DENSE_WRITER_METADATA, "dense_bits": str(dense_bits)}
     return write_file(path, [e.spec for e in plan], arrays(), metadata)
 
 
@@ -348,13 +437,8 @@ def convert(
         raise ModelError(str(exc), model_dir / "config.json") from None
     _check_out_dir(out, force, model_dir)
     ckpt = Checkpoint(model_dir, cfg)
-    layout = BlobLayout(quant_kind(bits), cfg.hidden_size, cfg.moe_inter)
-    layer_bytes = layout.stride * cfg.n_experts
-    offsets = [layer * layer_bytes for layer in range(cfg.n_layers)]
-    info = ContainerInfo(
-        bits, group, cfg.n_layers, cfg.n_experts, cfg.hidden_size, cfg.moe_inter, layout.nbytes, layout.stride,
-        offsets, str(model_dir.resolve()), ckpt.prefix, dense_bits,
-    )
+    info = new_container_info(bits, cfg.n_layers, cfg.n_experts, cfg.hidden_size, cfg.moe_inter,
+                              str(model_dir.resolve()), ckpt.prefix, dense_bits)
 
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():  # an interrupted convert's: _check_out_dir checked it holds PARTIAL_MARK
@@ -363,19 +447,17 @@ def convert(
     (tmp / PARTIAL_MARK).touch()
     total = cfg.n_layers + 1
     try:
-        pad = np.zeros(layout.stride - layout.nbytes, dtype=np.uint8)
-        with open(tmp / EXPERTS_BIN, "wb") as f:
+        with ExpertBlobWriter(tmp, info) as blobs:
             for layer in range(cfg.n_layers):
                 for expert in range(cfg.n_experts):
-                    f.write(build_blob_fast(*ckpt.read_expert(layer, expert), bits).tobytes())
-                    f.write(pad.tobytes())
+                    blobs.add(layer, expert, build_blob_fast(*ckpt.read_expert(layer, expert), bits))
                 if progress:
                     progress(layer + 1, total, f"layer {layer + 1}/{cfg.n_layers}")
         write_dense(ckpt, tmp / DENSE_FILE, dense_bits=dense_bits)
         for name in COPIED_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)
-        write_atomic(tmp / CONTAINER_JSON, json.dumps(info.to_json(), indent=1) + "\n")
+        write_manifest(tmp, info)
         if progress:
             progress(total, total, "dense tensors")
     except BaseException:
