@@ -37,6 +37,7 @@ ROUTER_STD = 0.5  # mlp.gate: a router with preferences, not uniform noise
 PREFIX = "model."
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DRAW_CHUNK = 1 << 22  # values drawn at a time (a multiple of 4, so the stream does not depend on it)
 SPECIAL = {"bos_token_id": None, "eos_token_id": 258, "pad_token_id": 256}
 
 
@@ -237,9 +238,11 @@ def values(seed: int, tensor: Planned) -> np.ndarray:
         a = _generator(seed, tensor.name).uniform(1.0, 16.0, n).astype(np.float32)
         bits = np.log(a).astype(ml_dtypes.bfloat16).view(np.uint16)
     else:
-        std = ROUTER_STD if tensor.init == "router" else WEIGHT_STD
-        draws = np.frombuffer(_generator(seed, tensor.name).bytes(2 * n), dtype=np.uint16)
-        bits = np.take(_normal_table(std), draws)
+        table = _normal_table(ROUTER_STD if tensor.init == "router" else WEIGHT_STD)
+        rng, bits = _generator(seed, tensor.name), np.empty(n, dtype=np.uint16)
+        for start in range(0, n, DRAW_CHUNK):  # chunks of whole 8-byte words draw the same stream as one call
+            stop = min(n, start + DRAW_CHUNK)
+            np.take(table, np.frombuffer(rng.bytes(2 * (stop - start)), dtype=np.uint16), out=bits[start:stop])
     return bits.reshape(tensor.shape)
 
 
@@ -294,8 +297,7 @@ def write_container(shape: SyntheticShape, seed: int, out: Path, bits: int = 4, 
     """A tierlab container of the same weights, written directly: experts through
     `ExpertBlobWriter`, dense.safetensors under convert's rule (`dense_entries`), then the
     manifest; equal blob for blob to `convert` of the folder `write_hf_folder` writes."""
-    from tierlab.engine.container import (DENSE_FILE, DENSE_WRITER_METADATA, ExpertBlobWriter,
-                                          dense_entries, dense_part, new_container_info, write_manifest)
+    from tierlab.engine.container import ExpertBlobWriter, new_container_info, write_manifest
     from tierlab.engine.quant import build_blob_fast
 
     if bits not in (4, 8):
@@ -310,6 +312,17 @@ def write_container(shape: SyntheticShape, seed: int, out: Path, bits: int = 4, 
                 blobs.add(layer, expert, build_blob_fast(*expert_f32(seed, shape, layer, expert), bits))
             if progress:
                 progress(layer + 1, shape.layers + 1, f"layer {layer + 1}/{shape.layers}")
+    write_container_dense(shape, seed, out, dense_bits)
+    if progress:
+        progress(shape.layers + 1, shape.layers + 1, "dense tensors")
+    return write_manifest(out, info)
+
+
+def write_container_dense(shape: SyntheticShape, seed: int, out: Path, dense_bits: int = 0) -> int:
+    """A container's dense.safetensors (and config files) for these weights; returns its data bytes.
+    Containers of one seed differing only in --dense-bits share experts.bin."""
+    from tierlab.engine.container import DENSE_FILE, DENSE_WRITER_METADATA, dense_entries, dense_part
+
     dense = dense_tensors(shape)
     by_name = {t.name: t for t in dense}
     plan = [e for t in dense for e in dense_entries(t.name, "BF16", t.shape, dense_bits, t.name)]
@@ -320,12 +333,11 @@ def write_container(shape: SyntheticShape, seed: int, out: Path, bits: int = 4, 
             cached = entry.part != "copy" and memo.get("source") == entry.source
             yield dense_part(entry, None if cached else values(seed, by_name[entry.source]), dense_bits, memo)
 
-    write_file(out / DENSE_FILE, [e.spec for e in plan], arrays(), {**DENSE_WRITER_METADATA, "dense_bits": str(dense_bits)})
+    size = write_file(out / DENSE_FILE, [e.spec for e in plan], arrays(),
+                      {**DENSE_WRITER_METADATA, "dense_bits": str(dense_bits)})
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config_json(shape), indent=2) + "\n")
-    if progress:
-        progress(shape.layers + 1, shape.layers + 1, "dense tensors")
-    return write_manifest(out, info)
+    return size
 
 
 def check_config_round_trip(shape: SyntheticShape) -> None:

@@ -54,6 +54,8 @@ def _add_decode(sub) -> None:
     p.add_argument("--tokens", type=int, default=32, help="decode tokens (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="random prompt tokens (default 32)")
     p.add_argument("--cold", action="store_true", help="drop the page cache before the run (root only)")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="GBS",
+                   help="memory bandwidth for the roofline, in GB/s (default: measured, with 512 MiB of buffers)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.set_defaults(bench_run=_run_decode)
 
@@ -64,7 +66,8 @@ def _run_decode(args: argparse.Namespace) -> int:
 
     engine = open_engine(args, with_tokenizer=False)
     try:
-        report = run_decode_bench(engine, args.prompt_tokens, args.tokens, cold=args.cold)
+        report = run_decode_bench(engine, args.prompt_tokens, args.tokens, cold=args.cold,
+                                  bandwidth_gbs=args.bandwidth)
     finally:
         engine.close()
     print_notices(engine)
