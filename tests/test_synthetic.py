@@ -175,3 +175,26 @@ def test_peak_memory_is_about_one_tensor_not_a_layer(tmp_path, fmt):
     total = sum(f.stat().st_size for f in target.iterdir())
     assert total > layer_bytes  # four layers were written (int4 is a quarter of bf16)
     assert peak < layer_bytes / 4 and peak < 16 * max(largest, layer_bytes // shape.experts)
+
+
+def test_the_blob_writer_refuses_a_wrong_size_and_a_missing_blob(tmp_path):
+    from tierlab.engine.container import ExpertBlobWriter, new_container_info
+    from tierlab.engine.errors import ModelError
+
+    info = new_container_info(4, 2, 3, 128, 64, "test", "model.")
+    writer = ExpertBlobWriter(tmp_path, info)
+    with pytest.raises(ValueError, match="bytes"):
+        writer.add(0, 0, np.zeros(info.blob_nbytes - 1, dtype=np.uint8))
+    with pytest.raises(IndexError):
+        writer.add(2, 0, np.zeros(info.blob_nbytes, dtype=np.uint8))
+    for layer, expert in [(1, 2), (0, 0), (0, 1), (0, 2), (1, 0)]:  # any order; (1, 1) never
+        writer.add(layer, expert, np.full(info.blob_nbytes, 7 * layer + expert, dtype=np.uint8))
+    with pytest.raises(ModelError, match=r"1 blobs were never written, the first \(1, 1\)"):
+        writer.finish()
+    with ExpertBlobWriter(tmp_path, info) as writer:
+        for layer in range(2):
+            for expert in range(3):
+                writer.add(layer, expert, np.full(info.blob_nbytes, 7 * layer + expert, dtype=np.uint8))
+    data = (tmp_path / EXPERTS_BIN).read_bytes()
+    assert len(data) == info.blob_offset(1, 2) + info.blob_stride  # the last blob padded too, as convert wrote it
+    assert data[info.blob_offset(1, 2)] == 9 and data[info.blob_offset(0, 1)] == 1
