@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from tierlab.engine.checkpoint import to_f32
-from tierlab.engine.config import QWEN3_5_MOE, QWEN3_MOE, parse_config
+from tierlab.engine.config import QWEN3_5_MOE, QWEN3_MOE
 from tierlab.engine.errors import ModelError
 from tierlab.engine.safetensors_file import TensorSpec, write_file
 
@@ -338,11 +338,3 @@ def write_container_dense(shape: SyntheticShape, seed: int, out: Path, dense_bit
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config_json(shape), indent=2) + "\n")
     return size
-
-
-def check_config_round_trip(shape: SyntheticShape) -> None:
-    """The written config.json reads back through the engine's parser with these sizes."""
-    parsed = parse_config(config_json(shape), Path("config.json"))
-    got = (parsed.hidden_size, parsed.n_layers, parsed.n_experts, parsed.moe_inter, parsed.vocab_size)
-    if got != (shape.hidden, shape.layers, shape.experts, shape.moe_inter, shape.vocab):
-        raise ModelError(f"the synthetic config reads back as {got}")

@@ -203,8 +203,7 @@ def run(args: argparse.Namespace) -> int:
         ContainerExpertSource(out).close()
         load_config(out)
     else:
-        write_hf_folder(shape, args.seed, out, int(args.shard_gb * 2**30),
-                        lambda done, total, label: None)
+        write_hf_folder(shape, args.seed, out, int(args.shard_gb * 2**30))
         read_back(out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"wrote {out} ({size / 2**20:.0f} MiB) in {time.monotonic() - started:.0f} s")
