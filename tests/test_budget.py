@@ -123,3 +123,18 @@ def test_verbose_prints_the_breakdown():
     proc = run_cli("generate", "--model", str(TINY), "--prompt", "hi", "-n", "1", "--ram-gb", "2", "--verbose")
     assert proc.returncode == 0, proc.stderr
     assert "memory budget 2.00 GiB (--ram-gb)" in proc.stderr and "32 of 32 slots per layer" in proc.stderr
+
+
+def test_bench_rss_reports_peak_and_growth_against_the_budget():
+    import json
+
+    proc = run_cli("bench", "rss", "--model", str(TINY), "--ram-gb", "2", "--cache", "6", "--tokens", "40",
+                   "--prompt-tokens", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["budget_bytes"] == 2 * GIB and report["origin"] == "--ram-gb"
+    assert report["cache_slots"] == 6 and 0 <= report["cache_full_at"] < 40  # --cache wins over the budget
+    assert 0 < report["rss_open"] <= report["peak_sampled"] <= report["peak_hwm"]
+    assert report["peak_over_budget"] == report["peak_hwm"] / (2 * GIB) - 1
+    bad = run_cli("bench", "rss", "--model", str(TINY), "--tokens", "0")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
