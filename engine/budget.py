@@ -119,12 +119,12 @@ def cgroup_limit(files: list[Path] | None = None) -> int | None:
     return min(limits) if limits else None
 
 
-def auto_budget(meminfo: Path = MEMINFO, cgroup_files: list[Path] | None = None) -> int:
-    """What `auto` means: available memory (or the cgroup limit, if lower) minus the margin."""
+def auto_budget(meminfo: Path = MEMINFO, cgroup_files: list[Path] | None = None) -> int | None:
+    """What `auto` means: available memory (or the cgroup limit, if lower) minus the margin;
+    None where the system says neither (no /proc/meminfo, no cgroup)."""
     candidates = [v for v in (mem_available(meminfo), cgroup_limit(cgroup_files)) if v]
     if not candidates:
-        raise ModelError("cannot tell how much memory is available (no MemAvailable, no cgroup limit); "
-                         "give --ram-gb or TIER_RAM_GB")
+        return None
     usable = min(candidates)
     return max(0, usable - max(AUTO_MARGIN_MIN, int(usable * AUTO_MARGIN)))
 
@@ -238,7 +238,10 @@ def plan_budget(cfg: ModelConfig, fp: Footprint, budget: int, origin: str = AUTO
 
 
 def plan_for(model_dir: str | Path, cfg: ModelConfig, ram_gb: float | None, origin: str = AUTO,
-             context: int = DEFAULT_CONTEXT) -> BudgetPlan:
-    """The plan for a folder: `ram_gb` GB, or auto when None."""
+             context: int = DEFAULT_CONTEXT) -> BudgetPlan | None:
+    """The plan for a folder: `ram_gb` GB, or auto when None; None when auto cannot tell how much
+    memory there is (the cache is then every expert, as without a budget)."""
     budget = auto_budget() if ram_gb is None else int(ram_gb * GIB)
+    if budget is None:
+        return None
     return plan_budget(cfg, footprint(model_dir, cfg), budget, origin, context)

@@ -48,8 +48,9 @@ class EngineOptions:
     context: int = DEFAULT_CONTEXT  # tokens the budget holds KV state for
 
     def budget_plan(self, config=None) -> BudgetPlan | None:
-        """The memory budget's split (engine/budget.py), None when `cache` sets the slots;
-        SettingError for a malformed budget, ModelError when the dense weights do not fit."""
+        """The memory budget's split (engine/budget.py), None when `cache` sets the slots (or auto
+        finds no memory figure); SettingError for a malformed budget, ModelError when the dense
+        weights do not fit."""
         ram_gb, origin = ram_gb_setting(None if self.ram_gb is None else str(self.ram_gb))
         if self.cache is not None:
             return None
@@ -66,6 +67,7 @@ class EngineOptions:
         knobs = Knobs.from_env(**self.knobs) if self.knobs_from_env else Knobs.from_env(self.knobs)
         cache = self.cache
         if cache is None and Path(self.model).is_dir():
-            cache = self.budget_plan().slots
+            plan = self.budget_plan()
+            cache = plan.slots if plan is not None else None
         return load_engine(self.model, cache_slots=cache, knobs=knobs, with_tokenizer=with_tokenizer,
                            tier=self.tier, warmup=self.warmup, progress=progress)

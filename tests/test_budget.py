@@ -63,6 +63,7 @@ def test_auto_is_the_lower_of_available_memory_and_the_cgroup_limit_less_the_mar
     assert auto_budget(meminfo, [limit]) == 20 * GIB - int(20 * GIB * AUTO_MARGIN)
     meminfo.write_text("MemAvailable:   1048576 kB\n")  # 1 GiB: the minimum margin applies
     assert auto_budget(meminfo, [limit]) == GIB - AUTO_MARGIN_MIN
+    assert auto_budget(tmp_path / "no-meminfo", [limit]) is None  # no figure: no budget, every expert
 
 
 def test_slots_per_layer_are_what_the_budget_leaves():

@@ -109,6 +109,8 @@ def _run_rss(args: argparse.Namespace) -> int:
 
         ram_gb, origin = ram_gb_setting(args.ram_gb)
         budget = auto_budget() if ram_gb is None else int(ram_gb * GIB)
+        if budget is None:
+            raise TierlabError("cannot tell how much memory this system has; give --ram-gb")
     engine = options.open(with_tokenizer=False, progress=CompileProgress(sys.stderr))
 
     def progress(done: int, rss: int) -> None:

@@ -75,7 +75,9 @@ def open_engine(args: argparse.Namespace, with_tokenizer: bool = True) -> Engine
     options = options_from_args(args)
     if getattr(args, "verbose", False):
         plan = options.budget_plan()
-        for line in plan.lines() if plan else [f"RAM cache set by --cache: {options.cache} slots per layer"]:
+        lines = plan.lines() if plan else [f"RAM cache set by --cache: {options.cache} slots per layer"
+                                           if options.cache is not None else "no memory figure: every expert"]
+        for line in lines:
             print(f"tierlab: {line}", file=sys.stderr)
     progress = CompileProgress(sys.stderr)
     try:
