@@ -457,7 +457,7 @@ def convert(
         for name in COPIED_FILES:
             if (model_dir / name).is_file():
                 shutil.copy2(model_dir / name, tmp / name)
-        write_manifest(tmp, info)
+        info = write_manifest(tmp, blobs.info)  # the info as the writer finished it
         if progress:
             progress(total, total, "dense tensors")
     except BaseException:

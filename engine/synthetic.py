@@ -315,7 +315,7 @@ def write_container(shape: SyntheticShape, seed: int, out: Path, bits: int = 4, 
     write_container_dense(shape, seed, out, dense_bits)
     if progress:
         progress(shape.layers + 1, shape.layers + 1, "dense tensors")
-    return write_manifest(out, info)
+    return write_manifest(out, blobs.info)  # the info as the writer finished it
 
 
 def write_container_dense(shape: SyntheticShape, seed: int, out: Path, dense_bits: int = 0) -> int:
