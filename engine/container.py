@@ -250,14 +250,14 @@ def read_checksums(folder: str | Path, info: ContainerInfo) -> np.ndarray | None
     return np.frombuffer(data, dtype="<u8").reshape(info.n_layers, info.n_experts).copy()
 
 
-def container_info_for(cfg, bits: int, source: str = "", prefix: str = "", dense_bits: int = 0) -> ContainerInfo:
-    """The manifest of a container of this config's experts: layers one after another, blobs
+def new_container_info(bits: int, n_layers: int, n_experts: int, hidden: int, inter: int, source: str = "",
+                       prefix: str = "", dense_bits: int = 0) -> ContainerInfo:
+    """The manifest of a container of that shape: layers one after another, blobs
     `blob_stride` apart (no checksums yet: ExpertBlobWriter.finish adds them)."""
-    layout = BlobLayout(quant_kind(bits), cfg.hidden_size, cfg.moe_inter)
-    layer_bytes = layout.stride * cfg.n_experts
-    offsets = [layer * layer_bytes for layer in range(cfg.n_layers)]
-    return ContainerInfo(bits, GROUP, cfg.n_layers, cfg.n_experts, cfg.hidden_size, cfg.moe_inter, layout.nbytes,
-                         layout.stride, offsets, source, prefix, dense_bits)
+    layout = BlobLayout(quant_kind(bits), hidden, inter)
+    offsets = [layer * layout.stride * n_experts for layer in range(n_layers)]
+    return ContainerInfo(bits, GROUP, n_layers, n_experts, hidden, inter, layout.nbytes, layout.stride,
+                         offsets, source, prefix, dense_bits)
 
 
 class ExpertBlobWriter:
@@ -266,7 +266,7 @@ class ExpertBlobWriter:
     The one way a container's experts are written (convert, make-synthetic), so
     every container has the same layout and checksums::
 
-        info = container_info_for(cfg, bits, source, prefix)
+        info = new_container_info(bits, n_layers, n_experts, hidden, inter, source, prefix)
         with ExpertBlobWriter(folder, info) as w:
             for layer ...: for expert ...: w.add(layer, expert, blob)
         info = w.info                                 # finish() filled the checksum fields
@@ -484,38 +484,48 @@ def quantises(name: str, dtype: str, shape: list[int], dense_bits: int) -> bool:
             and len(shape) == 2 and shape[1] % GROUP == 0 and shape[0] > 0)
 
 
+def dense_entries(name: str, dtype: str, shape, dense_bits: int, source: str) -> list[DenseEntry]:
+    """What one dense source tensor becomes in dense.safetensors: a copy (fp32 as bf16), or its
+    qweight and qscales parts; the one rule for every container writer."""
+    if quantises(name, dtype, list(shape), dense_bits):
+        rows, cols = shape
+        return [DenseEntry(TensorSpec(name + ".qweight", "I8" if dense_bits == 8 else "U8",
+                                      (rows, cols if dense_bits == 8 else cols // 2)), source, "qweight"),
+                DenseEntry(TensorSpec(name + ".qscales", "F32", (rows, cols // GROUP)), source, "qscales")]
+    return [DenseEntry(TensorSpec(name, "BF16" if dtype == "F32" else dtype, tuple(shape)), source)]
+
+
+def dense_part(entry: DenseEntry, array: np.ndarray | None, dense_bits: int, memo: dict) -> np.ndarray:
+    """The stored bytes of one entry from its source tensor's array (as stored in the source);
+    a quantised matrix is computed once for its two parts (its second part may pass None)."""
+    import ml_dtypes
+
+    if entry.part == "copy":
+        if array.dtype == np.float32 and entry.spec.dtype == "BF16":
+            return array.astype(ml_dtypes.bfloat16).view(np.uint16)
+        return array
+    if memo.get("source") != entry.source:
+        memo["source"], memo["matrix"] = entry.source, quantize_matrix(to_f32(array), dense_bits)
+    m = memo["matrix"]
+    return m.q if entry.part == "qweight" else m.scales
+
+
+DENSE_WRITER_METADATA = {"format": "pt", "writer": "tierlab convert"}
+
+
 def _dense_plan(ckpt: Checkpoint, dense_bits: int = 0) -> list[DenseEntry]:
     """Every tensor of dense.safetensors, in stored name order, under its stored name."""
     plan = []
     for rel, info in sorted(ckpt.tensors.items(), key=lambda item: item[1].name):
-        if EXPERT_TENSOR.match(rel):
-            continue
-        name, dtype, shape = info.name, info.dtype, info.shape
-        if quantises(name, dtype, list(shape), dense_bits):
-            rows, cols = shape
-            plan.append(DenseEntry(TensorSpec(name + ".qweight", "I8" if dense_bits == 8 else "U8",
-                                              (rows, cols if dense_bits == 8 else cols // 2)), rel, "qweight"))
-            plan.append(DenseEntry(TensorSpec(name + ".qscales", "F32", (rows, cols // GROUP)), rel, "qscales"))
-        else:
-            plan.append(DenseEntry(TensorSpec(name, "BF16" if dtype == "F32" else dtype, shape), rel))
+        if not EXPERT_TENSOR.match(rel):
+            plan += dense_entries(info.name, info.dtype, info.shape, dense_bits, rel)
     return plan
 
 
 def _entry_array(ckpt: Checkpoint, entry: DenseEntry, dense_bits: int, memo: dict) -> np.ndarray:
-    """The bytes of one plan entry, read as stored (no load-time normalisation);
-    a quantised matrix is computed once for its two parts."""
-    import ml_dtypes
-
-    info = ckpt.tensors[entry.source]
-    if entry.part == "copy":
-        t = read_tensor(info)
-        if info.dtype == "F32" and entry.spec.dtype == "BF16":
-            t = t.astype(ml_dtypes.bfloat16).view(np.uint16)
-        return t
-    if memo.get("source") != entry.source:
-        memo["source"], memo["matrix"] = entry.source, quantize_matrix(to_f32(read_tensor(info)), dense_bits)
-    m = memo["matrix"]
-    return m.q if entry.part == "qweight" else m.scales
+    """The bytes of one plan entry, read as stored (no load-time normalisation)."""
+    quantised = entry.part != "copy" and memo.get("source") == entry.source
+    return dense_part(entry, None if quantised else read_tensor(ckpt.tensors[entry.source]), dense_bits, memo)
 
 
 def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | None = None,
@@ -536,7 +546,7 @@ def write_dense(ckpt: Checkpoint, path: Path, progress: Callable[[str], None] | 
             if progress:
                 progress(e.spec.name)
 
-    metadata = {"format": "pt", "writer": "tierlab convert", "dense_bits": str(dense_bits)}
+    metadata = {**DENSE_WRITER_METADATA, "dense_bits": str(dense_bits)}
     return write_file(path, [e.spec for e in plan], arrays(), metadata)
 
 
@@ -606,7 +616,8 @@ def convert(
         raise ModelError(str(exc), model_dir / "config.json") from None
     _check_out_dir(out, force, model_dir)
     ckpt = Checkpoint(model_dir, cfg)
-    info = container_info_for(cfg, bits, str(model_dir.resolve()), ckpt.prefix, dense_bits)
+    info = new_container_info(bits, cfg.n_layers, cfg.n_experts, cfg.hidden_size, cfg.moe_inter,
+                              str(model_dir.resolve()), ckpt.prefix, dense_bits)
 
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():  # an interrupted convert's: _check_out_dir checked it holds PARTIAL_MARK

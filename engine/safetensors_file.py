@@ -286,8 +286,9 @@ def write_file(path: Path, specs: list[TensorSpec], arrays: Iterable[np.ndarray]
             data = np.ascontiguousarray(arr)
             if data.nbytes != spec.nbytes:
                 raise ValueError(f"tensor {spec.name}: {data.nbytes} bytes for {spec.dtype} {list(spec.shape)}")
-            f.write(data.tobytes())
+            f.write(memoryview(data.reshape(-1)).cast("B") if data.nbytes else b"")
             written += 1
+            del arr, data  # one tensor alive at a time: the next is made after this one is gone
     if written != len(specs):
         raise ValueError(f"{path}: {written} of {len(specs)} tensors were given")
     return offset

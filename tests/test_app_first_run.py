@@ -111,3 +111,15 @@ async def test_moving_the_cache_knob_during_a_reply_keeps_the_screen_live(tmp_pa
         assert "→" not in app.sub_title
         assert "cache=11" in [mark.label for mark in app.watch.history.marks]
         engine.unsubscribe(hold_the_engine)
+
+
+async def test_the_first_run_cache_stays_within_the_memory_budget(tmp_path):
+    """A budget that leaves room for 5 slots per layer caps the app's first-run cache (12 of 32)."""
+    generous = EngineOptions(MODEL, ram_gb=64).budget_plan()
+    fixed = generous.dense + generous.state + generous.runtime
+    ram_gb = (fixed + 5.5 * generous.slot_bytes) / 2**30
+    assert EngineOptions(MODEL, ram_gb=ram_gb).budget_plan().slots == 5
+    app = TierlabApp(EngineOptions(MODEL, ram_gb=ram_gb), sessions_dir=tmp_path)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        assert app.engine.cache_slots() == 5

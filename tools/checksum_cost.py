@@ -94,7 +94,7 @@ def load_cpu_ms(folder: Path, loads: int = 25) -> float:
 
 
 def decode_tok_s(folder: Path, cache: int) -> float:
-    proc = subprocess.run([sys.executable, "-m", "tierlab", "bench", "decode", "--model", str(folder), "--cache",
+    proc = subprocess.run([sys.executable, "-m", "tierlab", "bench", "decode", "--cold", "--model", str(folder), "--cache",
                            str(cache), "--tokens", "32", "--prompt-tokens", "32", "--json"],
                           capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])["decode_tok_s"]

@@ -1,15 +1,19 @@
-"""`tierlab make-synthetic`: a random-weight checkpoint with real per-layer shapes.
+"""`tierlab make-synthetic`: a random-weight checkpoint with real per-layer shapes, at any size.
 
 Why: the real checkpoints are 60-70 GB. A checkpoint with the exact per-layer
-shapes of Qwen3.6-35B-A3B or Qwen3-30B-A3B, but few layers and experts and a
-small vocabulary, exercises the converter, the kernels and the expert cache
-at true expert sizes in seconds. It is built with transformers' own classes
-and written under the names `save_pretrained` gives (experts one by one), so
-transformers loads it back; the weights go through tierlab's streaming
-safetensors writer, and the written folder is read back with tierlab's own
-config parser and checkpoint reader. A minimal byte-level tokenizer.json and
-a ChatML template are written so the engine's text path works too (the text
-is meaningless).
+shapes of Qwen3.6-35B-A3B or Qwen3-30B-A3B exercises the converter, the
+kernels and the expert cache at true expert sizes; with few layers and
+experts in seconds, with the full 40 x 256 shape for the real-scale
+benchmarks. engine/synthetic.py draws every tensor from its own seeded
+generator and writes it layer by layer with numpy alone: to a Hugging Face
+folder (bf16 safetensors under the names transformers' `save_pretrained`
+writes, so transformers loads it) or, with `--bits`, straight to a tierlab
+container (equal to `convert` of the folder with the same seed). A minimal
+byte-level tokenizer.json and a ChatML template are written so the engine's
+text path works too (the text is meaningless).
+
+`synthetic_config` and `write_weights` are the transformers side, used by the
+tests that check the hand-written folder against transformers' own.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from tierlab.engine.config import QWEN3_5_MOE, QWEN3_MOE, load_config
 from tierlab.engine.errors import ModelError
+from tierlab.engine.synthetic import real_shape, write_container, write_hf_folder
 
 #: the architecture presets make-synthetic writes
 ARCHS = (QWEN3_5_MOE, QWEN3_MOE)
@@ -35,6 +41,12 @@ CHATML_TEMPLATE = (
 )
 
 
+def _bits(text: str) -> int:
+    if text not in ("0", "4", "8"):
+        raise argparse.ArgumentTypeError(f"must be 4 or 8 (0: unquantised), got {text!r}")
+    return int(text)
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "make-synthetic",
@@ -42,11 +54,18 @@ def add_parser(subparsers) -> None:
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--arch", choices=ARCHS, required=True, help="qwen3_5_moe (Qwen3.6-35B-A3B) or qwen3_moe (Qwen3-30B-A3B)")
-    p.add_argument("--layers", type=int, required=True, help="number of decoder layers")
-    p.add_argument("--experts", type=int, required=True, help="experts per layer (at least top-k)")
+    p.add_argument("--layers", type=int, required=True, help="number of decoder layers (the real models: 40 / 48)")
+    p.add_argument("--experts", type=int, required=True, help="experts per layer (the real models: 256 / 128)")
     p.add_argument("--top-k", type=int, default=8, help="experts per token (default 8, as the real models)")
-    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096; the real models: 248320 / 151936)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default the real model's, 2048)")
+    p.add_argument("--moe-inter", type=int, default=None, help="expert intermediate size (default the real model's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bits", type=_bits, default=0, metavar="4|8",
+                   help="write a tierlab container with int4/int8 experts instead of a Hugging Face folder")
+    p.add_argument("--dense-bits", type=_bits, default=0, metavar="0|4|8",
+                   help="with --bits: the container's dense projections int8/int4 (default 0: bf16)")
+    p.add_argument("--shard-gb", type=float, default=4.0, help="Hugging Face folder: safetensors shard size (default 4)")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     p.set_defaults(run=run)
 
@@ -79,34 +98,6 @@ def synthetic_config(arch: str, layers: int, experts: int, top_k: int, vocab: in
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         **special,
     )
-
-
-def build_checkpoint(arch: str, layers: int, experts: int, top_k: int, vocab: int, seed: int, out: Path) -> Path:
-    """Instantiate the model in bf16 (half the memory of fp32) and write its config and weights."""
-    import torch
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM
-
-    config = synthetic_config(arch, layers, experts, top_k, vocab)
-    cls = Qwen3_5MoeForCausalLM if arch == QWEN3_5_MOE else Qwen3MoeForCausalLM
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = cls(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "mlp.gate.weight" in name:  # a router with preferences, not uniform noise
-                p.normal_(0.0, 0.5)
-    model.config.dtype = "bfloat16"
-    model.config.architectures = [cls.__name__]
-    model.config.save_pretrained(out)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
-    write_weights(model.state_dict(), out / WEIGHTS_FILE)
-    del model
-    return out
 
 
 def write_weights(state_dict: dict, path: Path) -> int:
@@ -186,19 +177,34 @@ def _byte_of(ch: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if args.layers < 1 or args.experts < 1:
-        raise ModelError("--layers and --experts must be at least 1")
-    if not 1 <= args.top_k <= args.experts:
-        raise ModelError(f"--top-k {args.top_k} must be between 1 and --experts ({args.experts})")
-    if args.vocab < 256 + len(SPECIAL_TOKENS):
-        raise ModelError(f"--vocab must be at least {256 + len(SPECIAL_TOKENS)} (byte tokens and specials)")
+    sizes = {k: v for k, v in (("hidden", args.hidden), ("moe_inter", args.moe_inter)) if v is not None}
+    shape = real_shape(args.arch, args.layers, args.experts, args.top_k, args.vocab, **sizes)
+    shape.check()
+    if args.dense_bits and not args.bits:
+        raise ModelError("--dense-bits needs --bits (it quantises a container's dense projections)")
+    if not args.shard_gb > 0:
+        raise ModelError(f"--shard-gb must be a positive number, got {args.shard_gb}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelError("exists and is not an empty folder", out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"building {args.arch}: {args.layers} layers x {args.experts} experts, vocab {args.vocab} ...", file=sys.stderr)
-    build_checkpoint(args.arch, args.layers, args.experts, args.top_k, args.vocab, args.seed, out)
+    what = f"int{args.bits} container" if args.bits else "Hugging Face folder (bf16)"
+    print(f"writing {args.arch}: {args.layers} layers x {args.experts} experts, vocab {args.vocab}, {what} ...",
+          file=sys.stderr)
+    started = time.monotonic()
+
+    def progress(done: int, total: int, label: str) -> None:
+        print(f"  {label} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+
     write_tokenizer(out, args.vocab)
-    read_back(out)
-    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    print(f"wrote {out} ({size / 2**20:.0f} MiB of safetensors)")
+    if args.bits:
+        write_container(shape, args.seed, out, args.bits, args.dense_bits, progress)
+        from tierlab.engine.container import ContainerExpertSource
+
+        ContainerExpertSource(out).close()
+        load_config(out)
+    else:
+        write_hf_folder(shape, args.seed, out, int(args.shard_gb * 2**30))
+        read_back(out)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"wrote {out} ({size / 2**20:.0f} MiB) in {time.monotonic() - started:.0f} s")
     return 0

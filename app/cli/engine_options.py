@@ -3,7 +3,8 @@
 Each lever is a flag named after its environment variable (ROUTE_J ->
 --route-j); a flag wins over the environment, which wins over the default.
 The same holds for the tier flags (TIER, TIER_GB, TIER_DEVICE,
-TIER_NO_WARMSTART, HEAT_FILE). `add_knobs_at_arg` is the one `--knobs-at`
+TIER_NO_WARMSTART, HEAT_FILE) and the memory budget (--ram-gb over
+TIER_RAM_GB, default auto; --verbose prints its breakdown). `add_knobs_at_arg` is the one `--knobs-at`
 flag of `generate`, `eval` and `ab` (scripted knob changes).
 """
 
@@ -25,16 +26,22 @@ def options_from_args(args: argparse.Namespace) -> EngineOptions:
     tier = TierOptions.from_env(enabled=args.tier, budget=args.tier_gb, device=args.tier_device,
                                 warmstart=args.warmstart, heat_file=args.heat)
     knobs = {spec.name: getattr(args, f"knob_{spec.name}", None) for spec in SPECS}
-    return EngineOptions(Path(args.model), getattr(args, "cache", None), tier, knobs)
+    return EngineOptions(Path(args.model), getattr(args, "cache", None), tier, knobs,
+                         ram_gb=getattr(args, "ram_gb", None))
 
 
 def add_model_args(parser: argparse.ArgumentParser, cache: bool = True,
-                   cache_default: str = "all experts") -> None:
+                   cache_default: str = "what the memory budget leaves, all experts when they fit") -> None:
     parser.add_argument("--model", metavar="DIR", type=Path, default=default_model(),
                         help=f"model folder or tierlab container (default: the shipped {default_model().name})")
     if cache:
         parser.add_argument("--cache", type=int, metavar="N", default=None,
                             help=f"RAM expert cache slots per layer (default: {cache_default})")
+    parser.add_argument("--ram-gb", metavar="GB", default=None,
+                        help="memory budget in GiB for dense weights, state and the RAM cache, or auto: "
+                             "available memory (or the cgroup limit) minus 10%% (default TIER_RAM_GB, else auto); "
+                             "the cache gets what is left, unless --cache sets it")
+    parser.add_argument("--verbose", action="store_true", help="print the memory budget's breakdown on stderr")
     tier = parser.add_argument_group("GPU tier and heat profile (flags override TIER, TIER_GB, TIER_DEVICE, "
                                      "TIER_NO_WARMSTART, HEAT_FILE)")
     tier.add_argument("--tier", action="store_const", const=True, default=None,
@@ -65,9 +72,16 @@ def knob_steps_from_args(args: argparse.Namespace) -> list[KnobStep]:
 
 def open_engine(args: argparse.Namespace, with_tokenizer: bool = True) -> EngineSurface:
     """The engine the flags describe; kernel compiles during loading are reported on stderr."""
+    options = options_from_args(args)
+    if getattr(args, "verbose", False):
+        plan = options.budget_plan()
+        lines = plan.lines() if plan else [f"RAM cache set by --cache: {options.cache} slots per layer"
+                                           if options.cache is not None else "no memory figure: every expert"]
+        for line in lines:
+            print(f"tierlab: {line}", file=sys.stderr)
     progress = CompileProgress(sys.stderr)
     try:
-        return options_from_args(args).open(with_tokenizer=with_tokenizer, progress=progress)
+        return options.open(with_tokenizer=with_tokenizer, progress=progress)
     finally:
         progress.finish()
 

@@ -182,7 +182,8 @@ class TierlabApp(AppTools, App):
     def load_engine(self) -> None:
         """Open the model without blocking the screen; the kernel warm-up's progress is shown
         in the loading placeholder and the sub-title. Without --cache the RAM cache starts
-        smaller than the expert count (`first_run_slots`), so the routing lever has work."""
+        smaller than the expert count (`first_run_slots`, and no more than the memory budget
+        leaves), so the routing lever has work."""
         if self.engine_factory is None and self.options is None:
             self._call_ui(self._engine_failed, "no model: start with --model DIR")
             return
@@ -195,7 +196,11 @@ class TierlabApp(AppTools, App):
                     from tierlab.engine.config import load_config
 
                     config = load_config(Path(options.model))
-                    options = dataclasses.replace(options, cache=first_run_slots(config.n_experts, config.top_k))
+                    slots = first_run_slots(config.n_experts, config.top_k)
+                    plan = options.budget_plan(config)  # the memory budget caps the first-run cache too
+                    if plan is not None:
+                        slots = min(slots, plan.slots)
+                    options = dataclasses.replace(options, cache=slots)
                 engine = options.open(progress=self._loading_progress)
                 self._call_ui(self._show_loading, "compiling kernels · the oracle's replays")
                 warm_oracle_kernels()
