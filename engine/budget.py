@@ -171,7 +171,10 @@ def footprint(model_dir: str | Path, cfg: ModelConfig) -> Footprint:
 
 def state_bytes(cfg: ModelConfig, context: int) -> int:
     """KV cache and DeltaNet state for `context` tokens. The KV cache grows by doubling, so it is
-    budgeted at the next power of two, and at 1.5 times that while the old copy is alive."""
+    budgeted at the next power of two, and at 1.5 times that while the old copy is alive; the
+    DeltaNet state counts once live and once for each snapshot a chat keeps to come back to."""
+    from tierlab.engine.conversation import KEEP_SNAPSHOTS
+
     capacity = 256
     while capacity < context:
         capacity *= 2
@@ -180,7 +183,7 @@ def state_bytes(cfg: ModelConfig, context: int) -> int:
     linear = cfg.n_layers - full
     channels = 2 * cfg.lin_k_heads * cfg.lin_k_dim + cfg.lin_v_heads * cfg.lin_v_dim
     deltanet = linear * 4 * (cfg.lin_v_heads * cfg.lin_k_dim * cfg.lin_v_dim + max(cfg.conv_kernel - 1, 0) * channels)
-    return kv + deltanet
+    return kv + deltanet * (1 + KEEP_SNAPSHOTS)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ The expert blobs come from engine/blob_layout.py (the container's one layout,
 blobs aligned as experts.bin stores them); dense tensors are counted from the
 architectures' tensor shapes (docs/model.md): bf16 as released, or int4/int8
 with one float32 scale per 64 weights (`--dense-bits`; the router, embedding
-and norms stay bf16). Prints one table for docs/real-model.md.
+and norms stay bf16). Prints the sizes, then the RAM cache slots per layer
+that `--ram-gb` budgets leave (engine/budget.py's own arithmetic, at its
+default 4,096-token context) for docs/real-model.md.
 
     python tools/real_model_sizes.py
 """
@@ -69,6 +71,40 @@ def sizes(m: dict) -> dict[str, float]:
     return out
 
 
+ARCH = {"Qwen3.6-35B-A3B": "qwen3_5_moe", "Qwen3-30B-A3B": "qwen3_moe"}
+BUDGETS_GB = (4, 8, 16, 24)
+
+
+def slots_left(name: str, m: dict, dense_bits: int, ram_gb: int) -> str:
+    """What `plan_budget` gives this model at `ram_gb`: 'all', 'N of E', or 'refused'."""
+    from pathlib import Path
+
+    from tierlab.engine.budget import Footprint, plan_budget
+    from tierlab.engine.config import parse_config
+    from tierlab.engine.errors import ModelError
+    from tierlab.engine.synthetic import config_json, real_shape
+
+    shape = real_shape(ARCH[name], m["layers"], m["experts"], vocab=m["vocab"])
+    cfg = parse_config(config_json(shape), Path("config.json"))
+    quantised, kept = dense_matrices(m)
+    dense = 2 * (quantised + kept) if dense_bits == 0 else quantised_bytes(quantised, dense_bits) + 2 * kept
+    blob = BlobLayout("int4", m["hidden"], m["inter"]).nbytes
+    try:
+        plan = plan_budget(cfg, Footprint(dense, blob, sum(cfg.moe_layers)), ram_gb * GIB, "--ram-gb")
+    except ModelError:
+        return "refused"
+    return "all" if plan.slots == cfg.n_experts else f"{plan.slots} of {cfg.n_experts}"
+
+
+def budget_table() -> list[str]:
+    lines = ["| `--ram-gb` | " + " | ".join(f"{n.split('-A3B')[0]}, dense {d}" for n in MODELS for d in ("int4", "bf16"))
+             + " |", "|---:|" + "---:|" * 4]
+    for gb in BUDGETS_GB:
+        cells = [slots_left(n, m, bits, gb) for n, m in MODELS.items() for bits in (4, 0)]
+        lines.append(f"| {gb} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     for name, m in MODELS.items():
         s = sizes(m)
@@ -78,6 +114,9 @@ def main() -> None:
               f"{s['int4_dense4_gib']:.1f} GiB with --dense-bits 4 (dense {s['dense_int4_gib']:.1f} GiB)")
         print(f"  int8 container: experts {s['int8_experts_gib']:.1f} GiB, total {s['int8_gib']:.1f} GiB, "
               f"{s['int8_dense8_gib']:.1f} GiB with --dense-bits 8")
+    print()
+    print("RAM cache slots per layer an int4 container gets (4,096-token context):")
+    print("\n".join(budget_table()))
 
 
 if __name__ == "__main__":
