@@ -151,12 +151,14 @@ def loaded_nbytes(dtype: str, shape: tuple[int, ...], nbytes: int) -> int:
 def footprint(model_dir: str | Path, cfg: ModelConfig) -> Footprint:
     """The footprint of a container or Hugging Face folder (headers only)."""
     from tierlab.engine.checkpoint import EXPERT_TENSOR, Checkpoint
-    from tierlab.engine.container import DENSE_FILE, is_container, read_container_info
+    from tierlab.engine.container import DENSE_FILE, check_against_config, is_container, read_container_info
 
     model_dir = Path(model_dir)
     if is_container(model_dir):
+        info = read_container_info(model_dir)
+        check_against_config(info, cfg, model_dir)  # the manifest first, as loading checks it
         ckpt = Checkpoint(model_dir, cfg, weight_files=[DENSE_FILE])
-        blob = read_container_info(model_dir).blob_nbytes
+        blob = info.blob_nbytes
     else:
         from tierlab.engine.expert_source import RawExpertSource
 

@@ -47,7 +47,7 @@ FORMAT_NAME = "tierlab-experts"
 FORMAT_VERSION = 2  # 2: per-blob checksums; 1 (no checksums) still reads
 READ_VERSIONS = (1, 2)
 CHECKSUM_KIND = "xxh3_64"
-_HASH_CHUNK = 1 << 24  # bytes hashed per read when hashing a whole file
+_HASH_CHUNK = 1 << 20  # bytes hashed per read when hashing a whole file (one reused buffer)
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -222,9 +222,11 @@ def file_hash(path: str | Path) -> str:
     """Hex xxh3_64 of a whole file, read in bounded chunks."""
     h = xxhash.xxh3_64()
     try:
+        buffer = bytearray(_HASH_CHUNK)
+        view = memoryview(buffer)
         with open(path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                h.update(chunk)
+            while n := f.readinto(buffer):
+                h.update(view[:n])
     except OSError as exc:
         raise ModelError(f"cannot read ({exc.strerror})", path) from None
     return h.hexdigest()
