@@ -155,7 +155,8 @@ def consecutive_overlap_loss(router_logits, batch: int, seq: int, n_experts: int
     A balanced router can still send neighbouring tokens to the same experts,
     which an LRU cache exploits; this term is, in every layer, the mean over
     consecutive positions of sum_e p_t(e) * p_{t-1}(e) minus 1/E (its value
-    for independent, balanced routing), averaged over layers.
+    for independent, balanced routing), averaged over layers. It is not
+    clipped at 0, so it also rewards sharing less than chance.
     """
     losses = []
     for logits in router_logits:
