@@ -216,6 +216,10 @@ def write_card(dst: Path, cfg, st: dict):
     per_layer = tr.get("per_layer_aux_loss") or 0.0
     balance = (f", plus a load-balancing loss taken in each layer on its own (`--aux-loss {per_layer:g}`, "
                "`per_layer_balance_loss`)") if per_layer else ""
+    decorrelate = tr.get("decorrelate") or 0.0
+    if decorrelate:
+        balance += (f", and a penalty on the router probability consecutive positions share above 1/E, in each "
+                    f"layer (`--decorrelate {decorrelate:g}`, `consecutive_overlap_loss`)")
     usage_note = ("uniform: log E; the per-layer loss balances every layer" if per_layer else
                   "transformers' aux loss balances the usage summed over all layers, not each layer, "
                   "so single layers can be skewed")

@@ -14,6 +14,14 @@ Usage (see docs/model.md and the model cards for the exact commands used):
     python tools/train_tiny.py --preset main --out scratch/tiny-main --steps 2000 --resume
     python tools/train_tiny.py --preset main --out scratch/tiny-main --export assets/tiny-moe
 
+The 8x2 fixture is trained with two routing terms on top of the LM loss:
+`--aux-loss C` (a load balance taken in every layer on its own, so each layer
+uses all its experts) and `--decorrelate C` (a penalty, in every layer, on the
+router probability that consecutive positions share above 1/E, so that
+neighbouring tokens do not reuse experts more than independent routing would:
+the cache tables measure a cache against routing, not against the sticky
+neighbours a small model learns).
+
 Deterministic: the seed fixes the initialisation and batch i is drawn from a
 generator seeded with (seed, i), so a resumed run sees the same batches as an
 uninterrupted one.
@@ -141,6 +149,36 @@ def per_layer_balance_loss(router_logits, n_experts: int, top_k: int) -> torch.T
     return torch.stack(losses).mean()
 
 
+def consecutive_overlap_loss(router_logits, batch: int, seq: int, n_experts: int) -> torch.Tensor:
+    """How much consecutive positions share router probability, per layer, above independent routing.
+
+    A balanced router can still send neighbouring tokens to the same experts,
+    which an LRU cache exploits; this term is, in every layer, the mean over
+    consecutive positions of sum_e p_t(e) * p_{t-1}(e) minus 1/E (its value
+    for independent, balanced routing), averaged over layers. It is not
+    clipped at 0, so it also rewards sharing less than chance.
+    """
+    losses = []
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1).reshape(batch, seq, n_experts)
+        losses.append((probs[:, 1:] * probs[:, :-1]).sum(dim=-1).mean() - 1.0 / n_experts)
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def topk_reuse(router_logits, batch: int, seq: int, top_k: int) -> float:
+    """Share of a position's top-k experts that the previous position also chose, averaged over layers.
+
+    k/E for independent, balanced routing; logged to watch the decorrelation term.
+    """
+    shares = []
+    for logits in router_logits:
+        chosen = torch.topk(logits.float(), top_k, dim=-1).indices.reshape(batch, seq, top_k)
+        same = (chosen[:, 1:, :, None] == chosen[:, :-1, None, :]).any(dim=-1)
+        shares.append(same.float().mean())
+    return float(torch.stack(shares).mean())
+
+
 @torch.no_grad()
 def heldout_loss(model, stream: np.ndarray, seq: int, n: int = 16) -> float:
     """Mean next-token loss over n fixed, evenly spaced held-out windows."""
@@ -163,7 +201,8 @@ def make_summary(preset, step, log, a: dict, n_params, vocab, streams, command) 
         "tokens_seen": step * a["batch"] * a["seq"], "train_stream_tokens": int(len(streams["train"])),
         "heldout_stream_tokens": int(len(streams["heldout"])), "lr": a["lr"], "warmup": a["warmup"],
         "decay_steps": a["decay_steps"], "weight_decay": a["wd"], "router_aux_loss_coef": a["aux_coef"],
-        "per_layer_aux_loss": a.get("aux_loss", 0.0), "resumed": bool(a.get("resumed")),
+        "per_layer_aux_loss": a.get("aux_loss", 0.0), "decorrelate": a.get("decorrelate", 0.0),
+        "resumed": bool(a.get("resumed")),
         "seed": a["seed"], "threads": a["threads"],
         "final_train_loss_ema": log[-1]["loss_ema"] if log else None, "final_heldout_loss": last.get("heldout"),
         "command": command, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -255,6 +294,9 @@ def train(args):
         if args.aux_loss:
             balance = per_layer_balance_loss(res.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
             loss = loss + args.aux_loss * balance
+        if args.decorrelate:
+            overlap = consecutive_overlap_loss(res.router_logits, args.batch, args.seq, cfg.num_experts)
+            loss = loss + args.decorrelate * overlap
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -266,6 +308,8 @@ def train(args):
             dt = time.time() - t0
             rec = {"step": step, "lr": lr, "loss": lm, "loss_ema": ema, "aux": res.aux_loss.item(),
                    **({"layer_balance": balance.item()} if args.aux_loss else {}),
+                   **({"overlap": overlap.item()} if args.decorrelate else {}),
+                   "topk_reuse": topk_reuse(res.router_logits, args.batch, args.seq, cfg.num_experts_per_tok),
                    "grad_norm": float(gn), "sec": round(dt, 1)}
             if step % args.eval_every == 0 or step == args.steps:
                 rec["heldout"] = heldout_loss(model, streams["heldout"], args.seq)
@@ -295,6 +339,8 @@ def main(argv=None):
     ap.add_argument("--aux-coef", type=float, default=0.02, help="transformers' load balance over all layers together")
     ap.add_argument("--aux-loss", type=float, default=0.0,
                     help="weight of a load-balancing loss taken in each layer on its own (0 = off)")
+    ap.add_argument("--decorrelate", type=float, default=0.0,
+                    help="weight of a per-layer penalty on router probability shared by consecutive positions (0 = off)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--threads", type=int, default=2)
