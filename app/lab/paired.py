@@ -42,7 +42,8 @@ class Trace:
     meters: dict = field(default_factory=dict)  # RunMeters.summary of the run (rates as fractions)
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log probabilities of one logits vector, in float64."""
     z = np.asarray(logits, dtype=np.float64).ravel()
     m = z.max()
     return z - (m + math.log(np.exp(z - m).sum()))
@@ -58,7 +59,7 @@ def trace_teacher_forced(engine, prompt: list[int], full: list[int],
     top1 = np.empty(n, dtype=np.int64)
 
     def keep(t: int, logits: np.ndarray) -> None:
-        lp = _log_softmax(logits)
+        lp = log_softmax(logits)
         logprobs[t] = lp[:vocab]
         nll[t] = -lp[full[len(prompt) + t]]
         top1[t] = int(np.argmax(lp))

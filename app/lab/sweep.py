@@ -164,29 +164,6 @@ class SweepJob:
     settings: RowSettings
 
 
-class LogitsTap:
-    """An engine as `teacher_forced_run` sees it, keeping the log-softmax of every logits vector it returns."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-        self.log_probs: list[np.ndarray] = []
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def _keep(self, logits):
-        z = np.asarray(logits, dtype=np.float64)
-        m = z.max()
-        self.log_probs.append(z - (m + math.log(np.exp(z - m).sum())))
-        return logits
-
-    def prefill(self, ids, *args, **kwargs):
-        return self._keep(self._engine.prefill(ids, *args, **kwargs))
-
-    def step(self, token, *args, **kwargs):
-        return self._keep(self._engine.step(token, *args, **kwargs))
-
-
 def open_row_engine(model: str | Path, settings: RowSettings):
     """A fresh engine with the row's cache and knobs (defaults elsewhere, the environment ignored)."""
     knobs = dict(settings.knobs)
@@ -204,15 +181,15 @@ class TeacherForced:
 
 
 def teacher_force(job: SweepJob) -> TeacherForced:
+    log_probs: list[np.ndarray] = []
     engine = open_row_engine(job.model, job.settings)
     try:
-        tap = LogitsTap(engine)
         engine.cold_start()
-        nll, meters = teacher_forced_run(tap, list(job.prompt), list(job.full))
+        nll, meters = teacher_forced_run(engine, list(job.prompt), list(job.full),
+                                         on_logits=lambda t, logits: log_probs.append(paired.log_softmax(logits)))
     finally:
         engine.close()
-    n = len(job.full) - len(job.prompt)
-    return TeacherForced(nll, meters, np.stack(tap.log_probs[:n]))
+    return TeacherForced(nll, meters, np.stack(log_probs))
 
 
 def token_nll(log_probs: np.ndarray, prompt_len: int, full: tuple[int, ...]) -> np.ndarray:
