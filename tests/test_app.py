@@ -88,6 +88,19 @@ def build_tiny_model(folder: Path, seed: int = 0) -> Path:
 # -- the app ---------------------------------------------------------------------
 
 
+def record_notes(app: TierlabApp) -> TierlabApp:
+    """The app, with every notification also kept in `app.notes` as (message, severity)."""
+    app.notes = []  # type: ignore[attr-defined]
+    original = app.notify
+
+    def notify(message, *args, **kwargs):
+        app.notes.append((str(message), kwargs.get("severity", "information")))  # type: ignore[attr-defined]
+        return original(message, *args, **kwargs)
+
+    app.notify = notify  # type: ignore[method-assign]
+    return app
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-moe")
@@ -100,15 +113,7 @@ def make_app(tiny_model, tmp_path):
         engine_options = EngineOptions(model_dir or tiny_model, cache_slots,
                                        TierOptions.from_env(enabled=tier, heat_file=str(heat) if heat else None))
         app = TierlabApp(engine_options, **options)
-        app.notes = []  # type: ignore[attr-defined]
-        original = app.notify
-
-        def notify(message, *args, **kwargs):
-            app.notes.append((str(message), kwargs.get("severity", "information")))  # type: ignore[attr-defined]
-            return original(message, *args, **kwargs)
-
-        app.notify = notify  # type: ignore[method-assign]
-        return app
+        return record_notes(app)
 
     return make
 

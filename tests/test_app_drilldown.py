@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from textual.widgets import Input, Static
+from textual.widgets import Static
 
 from tierlab import ASSETS_DIR
 from tierlab.app.tui.app import TierlabApp
@@ -13,37 +13,15 @@ from tierlab.app.tui.overlay import RAMP
 from tierlab.engine.events import LEVEL_RAM
 from tierlab.engine.options import EngineOptions
 from tierlab.widgets.heatmap import ExpertHeatmap
-from tierlab.widgets.knob import Knob
 
-from test_app import ready, wait_for
+from test_app import ask, ready, record_notes, wait_for
 
 SHIPPED = ASSETS_DIR / "tiny-moe"
 
 
 def shipped_app(tmp_path, cache: int = 12) -> TierlabApp:
     app = TierlabApp(EngineOptions(SHIPPED, cache), sessions_dir=tmp_path / "sessions")
-    app.notes = []  # type: ignore[attr-defined]
-    original = app.notify
-
-    def notify(message, *args, **kwargs):
-        app.notes.append((str(message), kwargs.get("severity", "information")))  # type: ignore[attr-defined]
-        return original(message, *args, **kwargs)
-
-    app.notify = notify  # type: ignore[method-assign]
-    return app
-
-
-async def send(pilot, text: str, max_tokens: int) -> ChatMessage:
-    app = pilot.app
-    app.query_one("#max-tokens", Knob).value = max_tokens
-    before = app.replies
-    prompt = app.query_one("#prompt", Input)
-    prompt.focus()
-    prompt.value = text
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: app.replies > before)
-    await pilot.pause()
-    return list(app.query(ChatMessage))[-1]
+    return record_notes(app)
 
 
 def lru_from_events(events, layer: int, resident: set[int]) -> list[int]:
@@ -66,7 +44,7 @@ async def test_drilldown_shows_the_layers_router_probabilities_and_lru_order(tmp
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
         app.engine.subscribe(events.append)
-        await send(pilot, "Once upon a time", max_tokens=6)
+        await ask(pilot, "Once upon a time", max_tokens=6)
         heatmap = app.query_one(ExpertHeatmap)
         heatmap.focus()
         await pilot.press("down", "down", "down")
@@ -103,7 +81,7 @@ async def test_drilldown_shows_the_layers_router_probabilities_and_lru_order(tmp
         await pilot.press("up")
         assert screen.shown_layer == 2 and screen.detail.layer == 2
         shown_token = screen.detail.token
-        await send(pilot, "The end", max_tokens=3)
+        await ask(pilot, "The end", max_tokens=3)
         assert screen.is_attached
         await wait_for(pilot, lambda: screen.detail.token == app.watch.tokens_seen - 1 > shown_token, timeout=10)
         screen.focus()
@@ -116,7 +94,7 @@ async def test_double_click_on_a_heatmap_cell_opens_its_layer(tmp_path):
     app = shipped_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
-        await send(pilot, "Hello", max_tokens=2)
+        await ask(pilot, "Hello", max_tokens=2)
         heatmap = app.query_one(ExpertHeatmap)
         spot = next((x, y) for y in range(heatmap.size.height) for x in range(heatmap.size.width)
                     if (cell := heatmap.cell_at(x, y)) is not None and cell[1] >= 4)
@@ -154,7 +132,7 @@ async def test_overlay_colours_tokens_and_a_click_pins_a_token_in_the_heatmap(tm
     app = shipped_app(tmp_path, cache=8)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
-        reply = await send(pilot, "Once upon a time", max_tokens=12)
+        reply = await ask(pilot, "Once upon a time", max_tokens=12)
         assert len(reply.tokens) == 12
         await pilot.press("ctrl+o")
         await pilot.pause()

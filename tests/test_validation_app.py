@@ -20,19 +20,13 @@ from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
 from textual.widgets import Input
 
+from test_app import record_notes
+
 
 def make_app(tmp_path, heat=None) -> TierlabApp:
     options = EngineOptions(MODEL, 6, TierOptions.from_env(enabled=False, heat_file=str(heat) if heat else None))
     app = TierlabApp(options, sessions_dir=tmp_path / "sessions")
-    app.notes = []  # type: ignore[attr-defined]
-    original = app.notify
-
-    def notify(message, *args, **kwargs):
-        app.notes.append((str(message), kwargs.get("severity", "information")))  # type: ignore[attr-defined]
-        return original(message, *args, **kwargs)
-
-    app.notify = notify  # type: ignore[method-assign]
-    return app
+    return record_notes(app)
 
 
 async def wait_for(pilot, condition, timeout: float = 90.0) -> None:
