@@ -57,10 +57,20 @@ def build_model(config, seed: int = 0):
     t.manual_seed(seed)
     cls = Qwen3_5MoeForCausalLM if config.model_type.startswith("qwen3_5") else Qwen3MoeForCausalLM
     model = cls(config).to(t.float32).eval()
+    randomise(model, 0.0 if config.model_type.startswith("qwen3_5") else 1.0)
+    return model
+
+
+def randomise(model, norm_centre: float, skip: str | None = None) -> None:
+    """Weights at scales that keep a tiny model's routing and activations lively: norms near
+    `norm_centre` (0 for the zero-centred Qwen3.5 norms), parameters whose name holds `skip` left alone."""
+    t = _torch()
     with t.no_grad():
         for name, p in model.named_parameters():
+            if skip is not None and skip in name:
+                continue
             if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(t.randn_like(p) * 0.2 + (0.0 if config.model_type.startswith("qwen3_5") else 1.0))
+                p.copy_(t.randn_like(p) * 0.2 + norm_centre)
             elif name.endswith("A_log"):
                 p.copy_(t.log(t.rand_like(p) * 8 + 0.5))
             elif name.endswith("dt_bias"):
@@ -69,7 +79,6 @@ def build_model(config, seed: int = 0):
                 p.copy_(t.randn_like(p) * 0.3)
             elif p.dim() >= 2:
                 p.copy_(t.randn_like(p) * 0.08)
-    return model
 
 
 def save(model, folder: Path) -> Path:
@@ -165,20 +174,7 @@ def build_release_model(vocab: int, seed: int = 4):
     config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
     t.manual_seed(seed)
     model = Qwen3_5MoeForConditionalGeneration(config).eval()
-    with t.no_grad():
-        for name, p in model.named_parameters():
-            if "visual" in name:
-                continue
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(t.randn_like(p) * 0.2)
-            elif name.endswith("A_log"):
-                p.copy_(t.log(t.rand_like(p) * 8 + 0.5))
-            elif name.endswith("dt_bias"):
-                p.copy_(t.randn_like(p) * 0.5)
-            elif "mlp.gate.weight" in name:
-                p.copy_(t.randn_like(p) * 0.3)
-            elif p.dim() >= 2:
-                p.copy_(t.randn_like(p) * 0.08)
+    randomise(model, 0.0, skip="visual")
     return model.to(t.bfloat16)
 
 
