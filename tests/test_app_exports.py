@@ -13,8 +13,8 @@ from tierlab.app.tui.sessions_screen import SessionsScreen
 from tierlab.engine.meters import CATALOGUE, meters_json
 
 from conftest import run_cli
-from test_app import ready, wait_for
-from test_app_drilldown import send, shipped_app
+from test_app import ask, ready, wait_for
+from test_app_drilldown import shipped_app
 
 
 @pytest.fixture
@@ -52,9 +52,9 @@ async def test_meters_csv_heat_profile_and_reply_copy(tmp_path):
     app = shipped_app(tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
-        reply = await send(pilot, "Once upon a time", max_tokens=6)
+        reply = await ask(pilot, "Once upon a time", max_tokens=6)
         app.engine.knobs.set("CACHE_ROUTE", True)
-        await send(pilot, "The end", max_tokens=4)
+        await ask(pilot, "The end", max_tokens=4)
         commands = {c.title: c for c in app.get_system_commands(app.screen)}
         # meters as CSV: the catalogue's keys as the header, one row per setting and per window
         commands["Export meters as CSV"].callback()
@@ -99,7 +99,7 @@ async def test_ab_table_exports_as_markdown_from_the_palette(tmp_path):
             app.engine.knobs.set("CACHE_ROUTE", lever)
             app.action_toggle_recording()
             logs.append(app.recorder.path)
-            await send(pilot, "Once upon a time", max_tokens=4)
+            await ask(pilot, "Once upon a time", max_tokens=4)
             app.action_toggle_recording()
             await pilot.pause()
         assert len(set(app.sessions_dir.glob("session-*.jsonl"))) == 2
