@@ -3,13 +3,14 @@
 import os
 from pathlib import Path
 
-# numba's parallel kernels run on OpenMP. A spinning worker on a shared machine
-# steals the core its partner needs, so workers wait passively; waking a
-# sleeping worker costs a sizeable share of an expert matvec, so they spin a
-# short while first (see docs/engine.md, OpenMP waiting). numba reads both
-# when it starts its pool, so they are set on import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+# numba's parallel kernels: which thread pool, and how its idle workers wait,
+# decides decode speed on a quiet machine and on a loaded one alike. The
+# choice (TBB when its library loads, else OpenMP with a short spin; a user's
+# own setting wins) must be made before numba starts its pool: see
+# engine/threading_layer.py and docs/engine.md, "Threads".
+from tierlab.engine import threading_layer as _threading_layer
+
+THREADING_LAYER = _threading_layer.choose()
 
 __version__ = "0.1.0"
 

@@ -13,13 +13,12 @@ decode, and sit on huge pages as the engine's weights do
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tierlab.engine import hugepages
+from tierlab.engine import hugepages, threading_layer
 from tierlab.engine.blob_layout import GROUP, BlobLayout, blob_nbytes
 from tierlab.engine.kernels import qmatvec as K
 
@@ -290,7 +289,5 @@ def format_report(report: KernelReport) -> str:
     if report.per_core_cpu:
         lines.append("one core, per CPU-second (512x2048, cache-hot): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in report.per_core_cpu.items()))
-    omp = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if os.environ.get(k)]
-    if omp:
-        lines.append(" ".join(omp))
+    lines.append(threading_layer.describe())
     return "\n".join(lines)
