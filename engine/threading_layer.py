@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import site
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ _TBB_SONAME = "libtbb.so.12"
 
 def _tbb_candidates() -> list[Path]:
     """Where pip's `tbb` wheel puts its library: <prefix>/lib, not on the loader's path."""
-    prefixes = dict.fromkeys([sys.prefix, sys.base_prefix, sys.exec_prefix])
+    prefixes = dict.fromkeys([sys.prefix, sys.base_prefix, sys.exec_prefix, site.getuserbase()])
     return [Path(p) / "lib" / _TBB_SONAME for p in prefixes]
 
 
