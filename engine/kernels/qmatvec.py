@@ -8,9 +8,12 @@ int32 lanes):
   and prefetches the rows a later step reads;
 - fp32 and bf16 multiply-add in float32 (bf16 widened by a shift);
 - int8 and int4 use integer dot products (AVX-512 VNNI) against x written
-  once per call as integer digits, or, on CPUs without VNNI, are widened to
-  float32; int4 uses planar nibbles (low nibbles are elements 0..31 of a
+  once per call as integer digits; on CPUs with AVX2 but no VNNI int4 uses
+  the same digits with AVX2's byte and word multiply-adds and int8 is widened
+  to float32; int4 uses planar nibbles (low nibbles are elements 0..31 of a
   64-group, high nibbles 32..63), so both halves line up with x;
+- on CPUs without AVX-512 the row loops use 8-lane vectors, so that four
+  rows' accumulators fit in sixteen registers;
 - each group is scaled once per row, and the constant offsets (the nibbles'
   -8, int8's +128) come back once per group.
 
@@ -184,7 +187,8 @@ def _host_has(*features: str) -> bool:
 # 16 lanes of the result need one int->float conversion.
 # Wraparound makes the int32 arithmetic exact whenever the final sum fits,
 # which |q - 8| <= 8 (|q| <= 127) and |X| <= 126 * 128^2 guarantee.
-# `TIERLAB_VNNI=0` compiles the float path instead (give it its own
+# `TIERLAB_VNNI=0` compiles the float path instead, also in place of the AVX2
+# integer path below (give it its own
 # NUMBA_CACHE_DIR: numba's disk cache does not know the switch).
 _VNNI = os.environ.get("TIERLAB_VNNI", "1") != "0" and _host_has("avx512f", "avx512bw", "avx512vnni")
 _DIGIT_BITS = 7
@@ -492,8 +496,9 @@ def _raw_rows_loop(context, builder, signature, args):
 
 _NARROW = 8
 _V8F = ir.VectorType(_F32, _NARROW)
-_NARROW_SWEEP = int(os.environ.get("H25_SWEEP", "4"))  # rows per loop over the groups: four rows need more than 16 registers
-_NARROW_CHAINS = int(os.environ.get("H25_CHAINS", "1"))
+# rows per loop over the groups: the float loop keeps all four rows in one loop, the
+# AVX2 int4 loop takes them two at a time (six vectors of x's digits are live per group)
+_FLOAT_SWEEP, _INT4_SWEEP = 4, 2
 
 
 def _reduce8(builder, vec):
@@ -516,7 +521,7 @@ def _widened8(builder, base, index, itype, signed):
 
 
 def _narrow_float_rows_loop(context, builder, signature, args, bits):
-    """Four rows widened to float32 with 8-lane vectors, `_NARROW_SWEEP` rows per loop over
+    """Four rows widened to float32 with 8-lane vectors, `_FLOAT_SWEEP` rows per loop over
     the groups; the same sums as _float_rows_loop (int4 nibbles unsigned, the -8 back once
     per group from `unit` = 8 * group sums of x)."""
     (qs, ss), arrays = _four_rows(context, builder, signature, args, 4)
@@ -535,7 +540,6 @@ def _narrow_float_rows_loop(context, builder, signature, args, bits):
             x0 = builder.mul(g, ir.Constant(_I64, GROUP))
             q0 = builder.mul(g, group_bytes)
             parts = [None] * n
-            parts2 = [None] * n
             for q, _s in rows:
                 _prefetch(builder, q, builder.add(q0, ahead))
             if bits == 4:  # byte j holds element j (low nibble) and j + 32 (high nibble)
@@ -546,22 +550,13 @@ def _narrow_float_rows_loop(context, builder, signature, args, bits):
                         raw = _widened8(builder, q, builder.add(q0, ir.Constant(_I64, b)), i8, False)
                         lo = builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * _NARROW)), _V8F)
                         hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * _NARROW)), _V8F)
-                        if _NARROW_CHAINS == 2:
-                            parts[k] = _fma_acc(builder, lo, x_lo, parts[k])
-                            parts2[k] = _fma_acc(builder, hi, x_hi, parts2[k])
-                        else:
-                            parts[k] = _fma_acc(builder, hi, x_hi, _fma_acc(builder, lo, x_lo, parts[k]))
+                        parts[k] = _fma_acc(builder, hi, x_hi, _fma_acc(builder, lo, x_lo, parts[k]))
             else:
                 for b in range(0, GROUP, _NARROW):
                     xb = _load_vec(builder, x, builder.add(x0, ir.Constant(_I64, b)), _V8F, 4)
                     for k, (q, _s) in enumerate(rows):
                         raw = _widened8(builder, q, builder.add(q0, ir.Constant(_I64, b)), i8, True)
-                        if _NARROW_CHAINS == 2 and (b // _NARROW) % 2:
-                            parts2[k] = _fma_acc(builder, builder.sitofp(raw, _V8F), xb, parts2[k])
-                        else:
-                            parts[k] = _fma_acc(builder, builder.sitofp(raw, _V8F), xb, parts[k])
-            if _NARROW_CHAINS == 2:
-                parts = [builder.fadd(a, b, flags=_FAST) for a, b in zip(parts, parts2)]
+                        parts[k] = _fma_acc(builder, builder.sitofp(raw, _V8F), xb, parts[k])
             accs, offs = [], []
             for (q, s), part, acc, off in zip(rows, parts, carried[:n], carried[n:]):
                 scale = builder.load(builder.gep(s, [g]))
@@ -577,14 +572,14 @@ def _narrow_float_rows_loop(context, builder, signature, args, bits):
 
     pairs = list(zip(qs, ss))
     results = []
-    for start in range(0, 4, _NARROW_SWEEP):
-        results += sweep(pairs[start:start + _NARROW_SWEEP])
+    for start in range(0, 4, _FLOAT_SWEEP):
+        results += sweep(pairs[start:start + _FLOAT_SWEEP])
     return context.make_tuple(builder, signature.return_type, results)
 
 
 def _avx2_int4_rows_loop(context, builder, signature, args, bits):
     """Four int4 rows by AVX2 integer dot products (see above _AVX2_INT4), one 32-byte
-    group per row and step, `_NARROW_SWEEP` rows per loop over the groups; returns the
+    group per row and step, `_INT4_SWEEP` rows per loop over the groups; returns the
     4-tuple of float32 dots."""
     (qs, ss), arrays = _four_rows(context, builder, signature, args, 4)
     n_groups = builder.extract_value(arrays[1].shape, 1)
@@ -629,8 +624,8 @@ def _avx2_int4_rows_loop(context, builder, signature, args, bits):
 
     pairs = list(zip(qs, ss))
     results = []
-    for start in range(0, 4, _NARROW_SWEEP):
-        results += sweep(pairs[start:start + _NARROW_SWEEP])
+    for start in range(0, 4, _INT4_SWEEP):
+        results += sweep(pairs[start:start + _INT4_SWEEP])
     return context.make_tuple(builder, signature.return_type, results)
 
 
