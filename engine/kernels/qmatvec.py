@@ -196,8 +196,8 @@ _UNIT_STEPS = 126.0 * 128.0 * 128.0
 _SMALLEST_UNIT = np.finfo(np.float32).tiny  # a smaller (subnormal) unit loses bits, 1/unit overflows
 _V16I = ir.VectorType(_I32, 16)
 
-# CPUs without AVX-512 have sixteen 256-bit registers: the 16-lane loops above keep
-# four rows' accumulators and x in 32 of them and spill on every step, so there
+# CPUs without AVX-512 have sixteen 256-bit registers: the 16-lane loops above need
+# about 32 of them for four rows' accumulators and x and spill on every step, so there
 # the float and raw row loops are written with 8-lane vectors instead (below,
 # "8-lane row loops").
 _WIDE = _host_has("avx512f")
@@ -212,8 +212,8 @@ _V64B = ir.VectorType(_I8, 64)
 # is at most 15 and a digit at most 126 in magnitude, so the low and the high nibbles'
 # products of one digit add to at most 4 * 15 * 126 = 7560. int8 bytes (up to 255 as
 # u8) times the top digit could saturate, so int8 keeps the float path there. Per 64
-# int4 weights and row about 22 vector operations instead of the float path's 28, of
-# which no int-to-float conversion of the weights.
+# int4 weights and row that is about 22 vector operations instead of the float path's
+# 28, and the weights are never converted to float.
 _AVX2_INT4 = os.environ.get("TIERLAB_VNNI", "1") != "0" and not _VNNI and _host_has("avx2")
 _V32B = ir.VectorType(_I8, 32)
 _V16S = ir.VectorType(ir.IntType(16), 16)
