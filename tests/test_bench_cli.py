@@ -23,7 +23,8 @@ def test_bench_kernels_quick_json():
     assert report["bandwidth_gbs"] == max(report["bandwidth_runs_gbs"]) and len(report["bandwidth_runs_gbs"]) == 2
     from tierlab.engine.kernels import qmatvec
 
-    assert report["int_path"] == ("vnni" if qmatvec._VNNI else "float")
+    assert report["int_path"] == qmatvec.INT_PATH
+    assert qmatvec.INT_PATH == ("vnni" if qmatvec._VNNI else "avx2-int4" if qmatvec._AVX2_INT4 else "float")
     for kind in KINDS:
         rate = report["matvec"][kind]
         assert rate > 0 and math.isfinite(rate), (kind, rate)

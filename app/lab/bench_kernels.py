@@ -40,8 +40,9 @@ class KernelReport:
     bandwidth_numpy_gbs: float
     working_set_mb: float
     bandwidth_runs_gbs: list[float] = field(default_factory=list)
-    # how this machine's int8/int4 kernels compute: "vnni" (integer dot products) or "float"
-    int_path: str = field(default_factory=lambda: "vnni" if K._VNNI else "float")
+    # how this machine's int8/int4 kernels compute: "vnni" (integer dot products), "avx2-int4"
+    # (int4 by AVX2 integer dot products, int8 widened to float32) or "float" (both widened)
+    int_path: str = field(default_factory=lambda: K.INT_PATH)
     matvec: dict[str, float] = field(default_factory=dict)  # median Gweights/s over SHAPES
     matvec_best: dict[str, float] = field(default_factory=dict)
     matvec_by_shape: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -267,6 +268,13 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
     return report
 
 
+_INT_PATH_WORDS = {
+    "vnni": "integer dot products (AVX-512 VNNI)",
+    "avx2-int4": "float32 widening (int8) and AVX2 integer dot products (int4)",
+    "float": "float32 widening",
+}
+
+
 def format_report(report: KernelReport) -> str:
     """Plain-text table of a KernelReport."""
     lines = [
@@ -283,7 +291,7 @@ def format_report(report: KernelReport) -> str:
             f"{100 * report.roofline_share.get(kind, 0):>9.0f}%{report.fused_expert.get(kind, 0):>8.2f}"
         )
     lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / stream GB/s; "
-                 f"int8/int4 by {'integer dot products (AVX-512 VNNI)' if report.int_path == 'vnni' else 'float32 widening'}")
+                 f"int8/int4 by {_INT_PATH_WORDS.get(report.int_path, report.int_path)}")
     if report.expert_read_gbs:
         lines.append(f"expert read (int4 2048x512 blob, page cache): {report.expert_read_us:.0f} us, {report.expert_read_gbs:.1f} GB/s")
     if report.per_core_cpu:

@@ -8,9 +8,12 @@ int32 lanes):
   and prefetches the rows a later step reads;
 - fp32 and bf16 multiply-add in float32 (bf16 widened by a shift);
 - int8 and int4 use integer dot products (AVX-512 VNNI) against x written
-  once per call as integer digits, or, on CPUs without VNNI, are widened to
-  float32; int4 uses planar nibbles (low nibbles are elements 0..31 of a
+  once per call as integer digits; on CPUs with AVX2 but no VNNI int4 uses
+  the same digits with AVX2's byte and word multiply-adds and int8 is widened
+  to float32; int4 uses planar nibbles (low nibbles are elements 0..31 of a
   64-group, high nibbles 32..63), so both halves line up with x;
+- on CPUs without AVX-512 the row loops use 8-lane vectors, so that four
+  rows' accumulators fit in sixteen registers;
 - each group is scaled once per row, and the constant offsets (the nibbles'
   -8, int8's +128) come back once per group.
 
@@ -184,14 +187,44 @@ def _host_has(*features: str) -> bool:
 # 16 lanes of the result need one int->float conversion.
 # Wraparound makes the int32 arithmetic exact whenever the final sum fits,
 # which |q - 8| <= 8 (|q| <= 127) and |X| <= 126 * 128^2 guarantee.
-# `TIERLAB_VNNI=0` compiles the float path instead (give it its own
+# `TIERLAB_VNNI=0` compiles the float path instead, also in place of the AVX2
+# integer path below (give it its own
 # NUMBA_CACHE_DIR: numba's disk cache does not know the switch).
 _VNNI = os.environ.get("TIERLAB_VNNI", "1") != "0" and _host_has("avx512f", "avx512bw", "avx512vnni")
 _DIGIT_BITS = 7
 _UNIT_STEPS = 126.0 * 128.0 * 128.0
 _SMALLEST_UNIT = np.finfo(np.float32).tiny  # a smaller (subnormal) unit loses bits, 1/unit overflows
 _V16I = ir.VectorType(_I32, 16)
+
+# CPUs without AVX-512 have sixteen 256-bit registers: the 16-lane loops above need
+# about 32 of them for four rows' accumulators and x and spill on every step, so there
+# the float and raw row loops are written with 8-lane vectors instead (below,
+# "8-lane row loops").
+_WIDE = _host_has("avx512f")
 _V64B = ir.VectorType(_I8, 64)
+
+
+# AVX2 without VNNI: int4 by integer dot products all the same. `vpmaddubsw` (32 u8 x s8
+# products summed two by two into 16 int16 lanes) followed by `vpmaddwd` against ones
+# (pairs summed into 8 int32 lanes) gives, lane by lane, the four-byte sums that
+# `vpdpbusd` gives, from the same prepared x (digits, unit, corr; see above), so the
+# integer sums are the VNNI path's exactly. The int16 lanes cannot saturate: a nibble
+# is at most 15 and a digit at most 126 in magnitude, so the low and the high nibbles'
+# products of one digit add to at most 4 * 15 * 126 = 7560. int8 bytes (up to 255 as
+# u8) times the top digit could saturate, so int8 keeps the float path there. Per 64
+# int4 weights and row that is about 22 vector operations instead of the float path's
+# 28, and the weights are never converted to float.
+_AVX2_INT4 = os.environ.get("TIERLAB_VNNI", "1") != "0" and not _VNNI and _host_has("avx2")
+_V32B = ir.VectorType(_I8, 32)
+_V16S = ir.VectorType(ir.IntType(16), 16)
+_V8I = ir.VectorType(_I32, 8)
+INT_PATH = "vnni" if _VNNI else ("avx2-int4" if _AVX2_INT4 else "float")  # how int8/int4 compute here
+
+
+@njit(**_SERIAL)
+def _integer_dots(bits):
+    """True when x is prepared as digits for integer dot products with `bits`-bit weights."""
+    return _VNNI or (_AVX2_INT4 and bits == 4)
 
 
 @njit(**_SERIAL)
@@ -403,11 +436,16 @@ def _rows_dot(typingctx, a, sa, b, sb, r0, r1, r2, r3, x, digits, unit, corr, ah
         return None
     sig = types.UniTuple(types.float32, 4)(a, sa, b, sb, r0, r1, r2, r3, x, digits, unit, corr, types.int64)
     if kind in (types.float32, types.uint16):
-        return sig, _raw_rows_loop
+        return sig, (_raw_rows_loop if _WIDE else _narrow_raw_rows_loop)
     if not (_matrix_ok(sa, types.float32) and _matrix_ok(sb, types.float32)):
         return None
     bits = 4 if kind == types.uint8 else 8
-    emit = _vnni_rows_loop if _VNNI else _float_rows_loop
+    if _VNNI:
+        emit = _vnni_rows_loop
+    elif _AVX2_INT4 and bits == 4:
+        emit = _avx2_int4_rows_loop
+    else:
+        emit = _float_rows_loop if _WIDE else _narrow_float_rows_loop
     return sig, lambda context, builder, signature, args: emit(context, builder, signature, args, bits)
 
 
@@ -446,6 +484,190 @@ def _raw_rows_loop(context, builder, signature, args):
         for k in range(1, pieces):
             total = builder.fadd(total, accs[r * pieces + k], flags=_FAST)
         sums.append(_reduce16(builder, total))
+    return context.make_tuple(builder, signature.return_type, sums)
+
+
+# --- 8-lane row loops (CPUs without AVX-512) -----------------------------------------------
+# The same sums as the 16-lane loops, emitted piece by piece: each 8-float piece
+# of x is loaded, used by every row of the sweep and dropped, each row keeps one
+# 8-lane accumulator (bf16: two), and the weights are widened straight from
+# memory (`vpmovzxbd`/`vpmovsxbd`/`vpmovzxwd` from 8 bytes or 8 halves), so the
+# live values fit in sixteen registers and nothing is shuffled across lanes.
+
+_NARROW = 8
+_V8F = ir.VectorType(_F32, _NARROW)
+# rows per loop over the groups: the float loop keeps all four rows in one loop, the
+# AVX2 int4 loop takes them two at a time (six vectors of x's digits are live per group)
+_FLOAT_SWEEP, _INT4_SWEEP = 4, 2
+
+
+def _reduce8(builder, vec):
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_F32, [_F32, _V8F]), "llvm.vector.reduce.fadd.v8f32")
+    return builder.call(fn, [ir.Constant(_F32, -0.0), vec], fastmath=_FAST)
+
+
+def _fma_acc(builder, w, x, acc):
+    """acc + w * x (acc None: w * x)."""
+    prod = builder.fmul(w, x, flags=_FAST)
+    return prod if acc is None else builder.fadd(prod, acc, flags=_FAST)
+
+
+def _widened8(builder, base, index, itype, signed):
+    """8 integers of type itype from &base[index], widened to int32."""
+    raw = _load_vec(builder, base, index, ir.VectorType(itype, _NARROW), 1)
+    wide = ir.VectorType(_I32, _NARROW)
+    return builder.sext(raw, wide) if signed else builder.zext(raw, wide)
+
+
+def _narrow_float_rows_loop(context, builder, signature, args, bits):
+    """Four rows widened to float32 with 8-lane vectors, `_FLOAT_SWEEP` rows per loop over
+    the groups; the same sums as _float_rows_loop (int4 nibbles unsigned, the -8 back once
+    per group from `unit` = 8 * group sums of x)."""
+    (qs, ss), arrays = _four_rows(context, builder, signature, args, 4)
+    n_groups = builder.extract_value(arrays[1].shape, 1)
+    x, _digits, xsum8 = (context.make_array(t)(context, builder, v).data
+                         for t, v in zip(signature.args[8:11], args[8:11]))
+    ahead = args[-1]
+    zero_v, zero_f = ir.Constant(_V8F, [0.0] * _NARROW), ir.Constant(_F32, 0.0)
+    group_bytes = ir.Constant(_I64, GROUP * bits // 8)
+    i8 = ir.IntType(8)
+
+    def sweep(rows):
+        n = len(rows)
+
+        def body(g, carried):
+            x0 = builder.mul(g, ir.Constant(_I64, GROUP))
+            q0 = builder.mul(g, group_bytes)
+            parts = [None] * n
+            for q, _s in rows:
+                _prefetch(builder, q, builder.add(q0, ahead))
+            if bits == 4:  # byte j holds element j (low nibble) and j + 32 (high nibble)
+                for b in range(0, GROUP // 2, _NARROW):
+                    x_lo = _load_vec(builder, x, builder.add(x0, ir.Constant(_I64, b)), _V8F, 4)
+                    x_hi = _load_vec(builder, x, builder.add(x0, ir.Constant(_I64, b + 32)), _V8F, 4)
+                    for k, (q, _s) in enumerate(rows):
+                        raw = _widened8(builder, q, builder.add(q0, ir.Constant(_I64, b)), i8, False)
+                        lo = builder.uitofp(builder.and_(raw, ir.Constant(raw.type, [15] * _NARROW)), _V8F)
+                        hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * _NARROW)), _V8F)
+                        parts[k] = _fma_acc(builder, hi, x_hi, _fma_acc(builder, lo, x_lo, parts[k]))
+            else:
+                for b in range(0, GROUP, _NARROW):
+                    xb = _load_vec(builder, x, builder.add(x0, ir.Constant(_I64, b)), _V8F, 4)
+                    for k, (q, _s) in enumerate(rows):
+                        raw = _widened8(builder, q, builder.add(q0, ir.Constant(_I64, b)), i8, True)
+                        parts[k] = _fma_acc(builder, builder.sitofp(raw, _V8F), xb, parts[k])
+            accs, offs = [], []
+            for (q, s), part, acc, off in zip(rows, parts, carried[:n], carried[n:]):
+                scale = builder.load(builder.gep(s, [g]))
+                if bits == 4:
+                    xsum = builder.load(builder.gep(xsum8, [g]))
+                    off = builder.fadd(builder.fmul(scale, xsum, flags=_FAST), off, flags=_FAST)
+                accs.append(builder.fadd(builder.fmul(part, _splat(builder, scale, _V8F), flags=_FAST), acc, flags=_FAST))
+                offs.append(off)
+            return accs + offs
+
+        finals = _counted_loop(builder, n_groups, [zero_v] * n + [zero_f] * n, body)
+        return [builder.fsub(_reduce8(builder, acc), off, flags=_FAST) for acc, off in zip(finals[:n], finals[n:])]
+
+    pairs = list(zip(qs, ss))
+    results = []
+    for start in range(0, 4, _FLOAT_SWEEP):
+        results += sweep(pairs[start:start + _FLOAT_SWEEP])
+    return context.make_tuple(builder, signature.return_type, results)
+
+
+def _avx2_int4_rows_loop(context, builder, signature, args, bits):
+    """Four int4 rows by AVX2 integer dot products (see above _AVX2_INT4), one 32-byte
+    group per row and step, `_INT4_SWEEP` rows per loop over the groups; returns the
+    4-tuple of float32 dots."""
+    (qs, ss), arrays = _four_rows(context, builder, signature, args, 4)
+    n_groups = builder.extract_value(arrays[1].shape, 1)
+    digits, unit, corr = (context.make_array(t)(context, builder, v).data
+                          for t, v in zip(signature.args[9:12], args[9:12]))
+    ahead = args[-1]
+    ubsw = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16S, [_V32B, _V32B]), "llvm.x86.avx2.pmadd.ub.sw")
+    wd = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V8I, [_V16S, _V16S]), "llvm.x86.avx2.pmadd.wd")
+    ones = ir.Constant(_V16S, [1] * 16)
+    zero = ir.Constant(_V8F, [0.0] * _NARROW)
+
+    def sweep(rows):
+        def body(g, accs):
+            block, half = builder.sdiv(g, ir.Constant(_I64, 2)), builder.srem(g, ir.Constant(_I64, 2))
+            # digits of this group: block * 384 + d * 128 + operand * 64 + 32 * half
+            d0 = builder.add(builder.mul(block, ir.Constant(_I64, 384)), builder.mul(half, ir.Constant(_I64, 32)))
+            lanes = builder.add(builder.mul(block, ir.Constant(_I64, 16)), builder.mul(half, ir.Constant(_I64, 8)))
+            xd = [[_load_vec(builder, digits, builder.add(d0, ir.Constant(_I64, 128 * d + 64 * op)), _V32B, 1)
+                   for op in range(2)] for d in range(3)]
+            u = _load_vec(builder, unit, lanes, _V8F, 4)
+            c = _load_vec(builder, corr, lanes, _V8I, 4)
+            start = builder.mul(g, ir.Constant(_I64, 32))
+            out = []
+            for (q, s), acc in zip(rows, accs):
+                _prefetch(builder, q, builder.add(start, ahead))
+                raw = _load_vec(builder, q, start, _V32B, 1)
+                ops = [builder.and_(raw, ir.Constant(_V32B, [15] * 32)), builder.lshr(raw, ir.Constant(_V32B, [4] * 32))]
+                total = None
+                for d in range(3):
+                    pairs = builder.add(builder.call(ubsw, [ops[0], xd[d][0]]), builder.call(ubsw, [ops[1], xd[d][1]]))
+                    part = builder.call(wd, [pairs, ones])
+                    total = part if total is None else builder.add(builder.shl(total, ir.Constant(_V8I, [_DIGIT_BITS] * 8)), part)
+                total = builder.sub(total, c)
+                weight = builder.fmul(u, _splat(builder, builder.load(builder.gep(s, [g])), _V8F), flags=_FAST)
+                out.append(builder.fadd(builder.fmul(builder.sitofp(total, _V8F), weight, flags=_FAST), acc, flags=_FAST))
+            return out
+
+        accs = _counted_loop(builder, n_groups, [zero] * len(rows), body)
+        return [_reduce8(builder, acc) for acc in accs]
+
+    pairs = list(zip(qs, ss))
+    results = []
+    for start in range(0, 4, _INT4_SWEEP):
+        results += sweep(pairs[start:start + _INT4_SWEEP])
+    return context.make_tuple(builder, signature.return_type, results)
+
+
+def _narrow_raw_rows_loop(context, builder, signature, args):
+    """Four fp32 or bf16 rows with 8-lane vectors, 64 bytes of each per iteration, all four
+    in one loop (the columns past the last whole 64 bytes are left to _columns_left)."""
+    (rows, _no_scales), (a, *_rest) = _four_rows(context, builder, signature, args, 4)
+    x = context.make_array(signature.args[8])(context, builder, args[8]).data
+    ahead = args[-1]
+    bf16 = signature.args[0].dtype == types.uint16
+    per_line = 32 if bf16 else 16  # weights in 64 bytes
+    pieces = per_line // _NARROW
+    n_acc = 2  # accumulators per row: two chains of multiply-adds
+    lines = builder.sdiv(builder.extract_value(a.shape, 1), ir.Constant(_I64, per_line))
+    zero = ir.Constant(_V8F, [0.0] * _NARROW)
+    shift = ir.Constant(ir.VectorType(_I32, _NARROW), [16] * _NARROW)
+
+    def body(i, accs):
+        start = builder.mul(i, ir.Constant(_I64, per_line))
+        out = list(accs)
+        for row in rows:
+            _prefetch(builder, row, builder.add(builder.mul(i, ir.Constant(_I64, 64)), ahead))
+        for k in range(pieces):
+            at = builder.add(start, ir.Constant(_I64, _NARROW * k))
+            xk = _load_vec(builder, x, at, _V8F, 4)
+            for r, row in enumerate(rows):
+                if bf16:  # the bf16 bits are the high half of the float32
+                    wide = builder.shl(_widened8(builder, row, at, ir.IntType(16), False), shift)
+                    w = builder.bitcast(wide, _V8F)
+                else:
+                    w = _load_vec(builder, row, at, _V8F, 4)
+                j = r * n_acc + k % n_acc
+                out[j] = _fma_acc(builder, w, xk, out[j])
+        return out
+
+    accs = _counted_loop(builder, lines, [zero] * (len(rows) * n_acc), body)
+    sums = []
+    for r in range(len(rows)):
+        total = accs[r * n_acc]
+        for k in range(1, n_acc):
+            total = builder.fadd(total, accs[r * n_acc + k], flags=_FAST)
+        sums.append(_reduce8(builder, total))
     return context.make_tuple(builder, signature.return_type, sums)
 
 
@@ -505,7 +727,7 @@ def _prepared_sizes(cols, bits):
     n_groups = cols // GROUP
     if bits == 0:  # fp32 and bf16 weights read x as it is
         return 0, 0, 0
-    if not _VNNI:  # the float path needs only 8 * the group sums of x (int4), in `unit`
+    if not _integer_dots(bits):  # the float path needs only 8 * the group sums of x (int4), in `unit`
         return 0, (n_groups if bits == 4 else 0), 0
     blocks = (n_groups + 1) // 2 if bits == 4 else n_groups
     return blocks * 3 * 64 * _operands_per_block(bits), blocks * 16, blocks * 16
@@ -524,7 +746,7 @@ def _prepare_into(x, bits, digits, unit, corr):
     n_groups = x.shape[0] // GROUP
     if bits == 0:
         return
-    if not _VNNI:
+    if not _integer_dots(bits):
         if bits == 4:
             for g in range(n_groups):
                 t = np.float32(0.0)
