@@ -21,8 +21,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from tierlab.engine.blob_layout import GROUP
-from tierlab.engine.kernels.qmatvec import bf16_f32, wide_vectors
+from tierlab.engine.blob_layout import GROUP, blob_nbytes
+from tierlab.engine.kernels.qmatvec import bf16_f32, quant_matrices, raw_matrices, wide_vectors
 
 _F32 = ir.FloatType()
 
@@ -75,32 +75,55 @@ def _dot_rows(w, x, t):
 
 
 @njit(**_OPTS)
-def _dot4(rows4, x, t):
-    """Four rows (rows4 [4, cols]) dotted with x[t] in one pass: each load of x feeds four FMAs."""
+def _dot4x2(rows4, x, t0, t1):
+    """Four rows (rows4 [4, cols]) dotted with x[t0] and x[t1] in one pass: six loads feed eight
+    FMAs. A token alone goes in as t0 = t1, so each token's sums come out of the same
+    instructions whoever it is paired with."""
     wide_vectors()
     a0 = np.float32(0.0)
     a1 = np.float32(0.0)
     a2 = np.float32(0.0)
     a3 = np.float32(0.0)
+    b0 = np.float32(0.0)
+    b1 = np.float32(0.0)
+    b2 = np.float32(0.0)
+    b3 = np.float32(0.0)
     for c in range(rows4.shape[1]):
-        xc = x[t, c]
-        a0 += rows4[0, c] * xc
-        a1 += rows4[1, c] * xc
-        a2 += rows4[2, c] * xc
-        a3 += rows4[3, c] * xc
-    return a0, a1, a2, a3
+        xa = x[t0, c]
+        xb = x[t1, c]
+        w0 = rows4[0, c]
+        w1 = rows4[1, c]
+        w2 = rows4[2, c]
+        w3 = rows4[3, c]
+        a0 += w0 * xa
+        a1 += w1 * xa
+        a2 += w2 * xa
+        a3 += w3 * xa
+        b0 += w0 * xb
+        b1 += w1 * xb
+        b2 += w2 * xb
+        b3 += w3 * xb
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @njit(**_OPTS)
 def _store_rows(rows_f32, r0, n, x, out):
-    """out[t, r0:r0+n] for every token: four rows at a time, a last partial group one by one."""
+    """out[t, r0:r0+n] for every token: four rows and two tokens at a time, a last partial group
+    of rows one by one."""
     if n == 4:
-        for t in range(x.shape[0]):
-            a0, a1, a2, a3 = _dot4(rows_f32, x, t)
+        T = x.shape[0]
+        for t in range(0, T, 2):
+            u = min(t + 1, T - 1)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _dot4x2(rows_f32, x, t, u)
             out[t, r0] = a0
             out[t, r0 + 1] = a1
             out[t, r0 + 2] = a2
             out[t, r0 + 3] = a3
+            if u != t:
+                out[u, r0] = b0
+                out[u, r0 + 1] = b1
+                out[u, r0 + 2] = b2
+                out[u, r0 + 3] = b3
     else:
         for k in range(n):
             for t in range(x.shape[0]):
@@ -202,3 +225,48 @@ def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
     else:
         raise ValueError(f"unknown weight kind {kind!r}")
     return out
+
+
+def _gate_up_down(kind: str, blob: np.ndarray, hidden: int, inter: int) -> tuple[tuple, tuple]:
+    """(gate|up as one [2*inter, hidden] matrix, down [hidden, inter]) of a blob, as `matmat`
+    parts: the blob stores up's rows right after gate's, and their scales likewise."""
+    if blob.dtype != np.uint8 or blob.ndim != 1 or blob.size < blob_nbytes(kind, hidden, inter):
+        raise ValueError(f"a {kind} expert blob of {hidden}x{inter} needs {blob_nbytes(kind, hidden, inter)} bytes, "
+                         f"got {blob.size}")
+    if kind in ("fp32", "bf16"):
+        gate, up, down = raw_matrices(blob, kind, hidden, inter)
+        return (_rows_after(gate, up),), (down,)
+    qg, sg, qu, su, qd, sd = quant_matrices(blob, 8 if kind == "int8" else 4, hidden, inter)
+    return (_rows_after(qg, qu), _rows_after(sg, su)), (qd, sd)
+
+
+def _rows_after(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """first and second as one matrix, without a copy when second's rows follow first's in memory."""
+    if (first.flags.c_contiguous and second.flags.c_contiguous
+            and second.__array_interface__["data"][0] == first.__array_interface__["data"][0] + first.nbytes):
+        return np.lib.stride_tricks.as_strided(first, (first.shape[0] + second.shape[0], first.shape[1]))
+    return np.concatenate([first, second])
+
+
+def _product(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
+    """x times one matrix of an expert: float32 through BLAS, the rest through `matmat`."""
+    if kind == "fp32":
+        return np.ascontiguousarray(x @ parts[0].T, dtype=np.float32)
+    return matmat(kind, parts, x)
+
+
+def expert_matmat(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
+    """down(silu(gate x_t) * (up x_t)) for each row x_t of x [n, hidden] -> [n, hidden].
+
+    Why: the tokens routed to one expert are a small matrix; widening each weight row once for
+    all of them (and gate with up in one pass) does the prompt's expert work as matrix-matrix
+    products. Within 1e-5 relative of the one-token kernels, not bit-identical to them.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != hidden:
+        raise ValueError(f"expert_matmat needs x[n, {hidden}], got {x.shape}")
+    gate_up, down = _gate_up_down(kind, blob, hidden, inter)
+    gu = _product(kind, gate_up, x)
+    g, u = gu[:, :inter], gu[:, inter:]
+    h = np.ascontiguousarray(g / (np.float32(1.0) + np.exp(-g)) * u, dtype=np.float32)
+    return _product(kind, down, h)
