@@ -1,13 +1,13 @@
 """Matrix-matrix products for several tokens: a prompt's dense projections and grouped experts.
 
-Why: a prompt multiplies every weight matrix by many tokens. Row by row,
-each kernel widens one weight row to float32 once (bf16 bits, or int8/int4
-times its group scale) into a scratch row that stays in L1, then dots it with
-every token. The weights are read once per prompt instead of once per token,
-and the widening, which is most of a quantised matvec's work, is paid once
-per row. Used for the dense projections of a prompt (`linear` with T > 1).
-(A prompt's experts use `qmatvec.expert_forward_tokens` instead: an expert
-serves a few tokens, too few to pay for widening its rows.)
+Why: a prompt multiplies every weight matrix by many tokens. Four rows at a
+time, each kernel widens the rows to float32 once (bf16 bits, or int8/int4
+times its group scale), then dots them with every token, two tokens per pass
+and a chunk of columns at a time so that what one pass reads stays in L1.
+The weights are read once per prompt instead of once per token, and the
+widening, which is most of a quantised matvec's work, is paid once per row.
+Used for the dense projections of a prompt (`linear` with T > 1) and for a
+prompt's grouped experts (`expert_matmat`, the tokens routed to one expert).
 
 All out[t, r] = row_r . x[t] in float32, within 1e-5 relative of a float64
 reference of the same (dequantised) weights; not bit-identical to the
@@ -66,18 +66,9 @@ _OPTS = dict(nogil=True, cache=True, fastmath=True)
 
 
 @njit(**_OPTS)
-def _dot_rows(w, x, t):
-    wide_vectors()
-    acc = np.float32(0.0)
-    for c in range(w.shape[0]):
-        acc += w[c] * x[t, c]
-    return acc
-
-
-@njit(**_OPTS)
-def _dot4x2(rows4, x, t0, t1):
-    """Four rows (rows4 [4, cols]) dotted with x[t0] and x[t1] in one pass: six loads feed eight
-    FMAs. A token alone goes in as t0 = t1, so each token's sums come out of the same
+def _dot4x2(w4, xa, xb):
+    """Four rows (w4 [4, n]) dotted with two tokens' columns (xa, xb [n]) in one pass: six loads
+    feed eight FMAs. A token alone goes in as xa = xb, so its sums come out of the same
     instructions whoever it is paired with."""
     wide_vectors()
     a0 = np.float32(0.0)
@@ -88,46 +79,79 @@ def _dot4x2(rows4, x, t0, t1):
     b1 = np.float32(0.0)
     b2 = np.float32(0.0)
     b3 = np.float32(0.0)
-    for c in range(rows4.shape[1]):
-        xa = x[t0, c]
-        xb = x[t1, c]
-        w0 = rows4[0, c]
-        w1 = rows4[1, c]
-        w2 = rows4[2, c]
-        w3 = rows4[3, c]
-        a0 += w0 * xa
-        a1 += w1 * xa
-        a2 += w2 * xa
-        a3 += w3 * xa
-        b0 += w0 * xb
-        b1 += w1 * xb
-        b2 += w2 * xb
-        b3 += w3 * xb
+    for c in range(xa.shape[0]):
+        va = xa[c]
+        vb = xb[c]
+        w0 = w4[0, c]
+        w1 = w4[1, c]
+        w2 = w4[2, c]
+        w3 = w4[3, c]
+        a0 += w0 * va
+        a1 += w1 * va
+        a2 += w2 * va
+        a3 += w3 * va
+        b0 += w0 * vb
+        b1 += w1 * vb
+        b2 += w2 * vb
+        b3 += w3 * vb
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @njit(**_OPTS)
-def _store_rows(rows_f32, r0, n, x, out):
-    """out[t, r0:r0+n] for every token: four rows and two tokens at a time, a last partial group
-    of rows one by one."""
-    if n == 4:
-        T = x.shape[0]
-        for t in range(0, T, 2):
-            u = min(t + 1, T - 1)
-            a0, a1, a2, a3, b0, b1, b2, b3 = _dot4x2(rows_f32, x, t, u)
-            out[t, r0] = a0
-            out[t, r0 + 1] = a1
-            out[t, r0 + 2] = a2
-            out[t, r0 + 3] = a3
+def _chunk_width(cols):
+    """Columns per chunk: four rows' chunk and two tokens' chunks (24 KiB at 1024) stay in L1."""
+    for width in (1024, 512, 256, 128, 64):
+        if cols % width == 0:
+            return width
+    return cols
+
+
+@njit(**_OPTS)
+def _chunked_tokens(x, width):
+    """x [T, cols] as [cols / width, T, width]: each chunk of every token side by side."""
+    t_count, cols = x.shape
+    xs = np.empty((cols // width, t_count, width), dtype=np.float32)
+    for t in range(t_count):
+        for j in range(cols // width):
+            for c in range(width):
+                xs[j, t, c] = x[t, j * width + c]
+    return xs
+
+
+@njit(**_OPTS)
+def _put_row(row, k, block):
+    """Row k of a four-row group, chunked like the tokens: block [chunks, 4, width]."""
+    width = block.shape[2]
+    for j in range(block.shape[0]):
+        for c in range(width):
+            block[j, k, c] = row[j * width + c]
+
+
+@njit(**_OPTS)
+def _store_rows(block, xs, r0, n, acc, out):
+    """out[t, r0:r0+n] for every token: the four rows of `block` (rows past n are zeros) against
+    every token, two tokens per pass, chunk by chunk. A row's and a token's sums depend only on
+    their own values (and the token's parity), never on T or on the other rows."""
+    t_count = xs.shape[1]
+    acc[:] = 0.0
+    for j in range(block.shape[0]):
+        wj = block[j]
+        xj = xs[j]
+        for t in range(0, t_count, 2):
+            u = min(t + 1, t_count - 1)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _dot4x2(wj, xj[t], xj[u])
+            acc[t, 0] += a0
+            acc[t, 1] += a1
+            acc[t, 2] += a2
+            acc[t, 3] += a3
             if u != t:
-                out[u, r0] = b0
-                out[u, r0 + 1] = b1
-                out[u, r0 + 2] = b2
-                out[u, r0 + 3] = b3
-    else:
+                acc[u, 0] += b0
+                acc[u, 1] += b1
+                acc[u, 2] += b2
+                acc[u, 3] += b3
+    for t in range(t_count):
         for k in range(n):
-            for t in range(x.shape[0]):
-                out[t, r0 + k] = _dot_rows(rows_f32[k], x, t)
+            out[t, r0 + k] = acc[t, k]
 
 
 @njit(**_OPTS)
@@ -159,22 +183,30 @@ def _widen_int4(q, s, r, row):
 
 
 # Each parallel step takes 16 rows, four at a time: the four rows are widened
-# into a float32 scratch [4, cols] (32 KiB at 2048 columns, in L1) and dotted
-# with every token together. A row's result depends only on its row index
-# (full group of four, or the matrix's last partial group), never on T.
+# to float32 (a last partial group padded with zero rows), cut into chunks of
+# columns like the tokens, and dotted with every token chunk by chunk, so the
+# rows' chunk and the tokens' chunks being multiplied stay in L1.
 
 
 @njit(**dict(_OPTS, parallel=True))
 def matmat_bf16(w, x, out):
     """out[t, r] = w[r, :] . x[t, :] for a bf16 (uint16) w [rows, cols]."""
     rows, cols = w.shape
+    width = _chunk_width(cols)
+    xs = _chunked_tokens(x, width)
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        scratch = np.empty((4, cols), dtype=np.float32)
+        row = np.empty(cols, dtype=np.float32)
+        block = np.zeros((cols // width, 4, width), dtype=np.float32)
+        acc = np.empty((x.shape[0], 4), dtype=np.float32)
         for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
             n = min(4, rows - r0)
-            for k in range(n):
-                _widen_bf16(w, r0 + k, scratch[k])
-            _store_rows(scratch, r0, n, x, out)
+            for k in range(4):
+                if k < n:
+                    _widen_bf16(w, r0 + k, row)
+                else:
+                    row[:] = 0.0
+                _put_row(row, k, block)
+            _store_rows(block, xs, r0, n, acc, out)
 
 
 def _widen_quant(q, s, r, row):
@@ -201,13 +233,21 @@ def matmat_quant(q, s, x, out):
     int4 q (uint8 [rows, cols/2]), scales [rows, cols/64]."""
     rows = q.shape[0]
     cols = s.shape[1] * GROUP
+    width = _chunk_width(cols)
+    xs = _chunked_tokens(x, width)
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        scratch = np.empty((4, cols), dtype=np.float32)
+        row = np.empty(cols, dtype=np.float32)
+        block = np.zeros((cols // width, 4, width), dtype=np.float32)
+        acc = np.empty((x.shape[0], 4), dtype=np.float32)
         for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
             n = min(4, rows - r0)
-            for k in range(n):
-                _widen_quant(q, s, r0 + k, scratch[k])
-            _store_rows(scratch, r0, n, x, out)
+            for k in range(4):
+                if k < n:
+                    _widen_quant(q, s, r0 + k, row)
+                else:
+                    row[:] = 0.0
+                _put_row(row, k, block)
+            _store_rows(block, xs, r0, n, acc, out)
 
 
 def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
