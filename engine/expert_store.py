@@ -50,6 +50,7 @@ import numpy as np
 from tierlab.engine import hugepages
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.events import LEVEL_GPU
+from tierlab.engine.kernels.qmatmat import expert_matmat
 from tierlab.engine.kernels.qmatvec import expert_forward_tokens
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.tiers.opencl_tier import TierFailure
@@ -408,11 +409,13 @@ class ExpertStore:
         shadow = count_shadow(stock, where, realised) if stock is not None else None
         return hits, misses, on_gpu, shadow
 
-    def forward_tokens(self, blob: np.ndarray, xs: np.ndarray) -> np.ndarray:
-        """One expert (a RAM blob from `blob`) on several tokens at once: float32[T, H], each row
-        bit-identical to the one-token kernel."""
+    def forward_tokens(self, blob: np.ndarray, xs: np.ndarray, exact: bool = False) -> np.ndarray:
+        """One expert (a RAM blob from `blob`) on several tokens at once: float32[T, H], by
+        matrix-matrix products (within 1e-5 of decode), or with `exact` each row bit-identical
+        to the one-token kernel."""
         source = self._source
-        return expert_forward_tokens(source.kind, blob, source.hidden, source.inter, xs)
+        forward = expert_forward_tokens if exact else expert_matmat
+        return forward(source.kind, blob, source.hidden, source.inter, xs)
 
     # -- holding RAM slots ---------------------------------------------------------------
     def acquire(self, layer: int, experts: list[int], stock: np.ndarray | None = None) -> HeldExperts | None:

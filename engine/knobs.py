@@ -49,6 +49,8 @@ SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("CONF_LIMIT", float, 0.92, 0.0, 1.0, help="PILOT takes experts until their mass reaches this"),
     KnobSpec("HOT", int, 0, 0, None, help="pin the n most-routed experts per layer after WARMUP tokens"),
     KnobSpec("WARMUP", int, 5, 0, None, help="tokens before HOT pins"),
+    KnobSpec("PREFILL_EXACT", bool, False,
+             help="1: a prompt's grouped experts give each token exactly what decode gives it (slower prefill)"),
 )
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 
@@ -102,6 +104,7 @@ class KnobValues:
     CONF_LIMIT: float = 0.92
     HOT: int = 0
     WARMUP: int = 5
+    PREFILL_EXACT: bool = False
 
     @property
     def meters_on(self) -> bool:

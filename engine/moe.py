@@ -127,8 +127,9 @@ class MoEBlock:
         before the next token is routed; with a slot for every expert nothing
         is evicted, so holding them changes no decision). Only the work is
         regrouped: one pass over an expert's weights serves all its tokens
-        (`forward_tokens`, bit-identical to the one-token kernel), and each
-        token still sums its experts in rank order.
+        (`forward_tokens`: matrix-matrix products, or with the PREFILL_EXACT
+        knob the one-token kernel's exact results), and each token still sums
+        its experts in rank order.
         """
         layer, store, timers = self.layer, ctx.store, ctx.timers
         T, K = x.shape[0], self.cfg.top_k
@@ -161,7 +162,7 @@ class MoEBlock:
             outputs = np.zeros((T, K, x.shape[1]), dtype=np.float32)
             for e, pairs in users.items():
                 tokens = [t for t, _ in pairs]
-                y = store.forward_tokens(blobs[e], x[tokens])
+                y = store.forward_tokens(blobs[e], x[tokens], exact=ctx.knobs.PREFILL_EXACT)
                 for i, (t, s) in enumerate(pairs):
                     outputs[t, s] = y[i]
             for t, route in enumerate(routes):

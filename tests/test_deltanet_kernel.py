@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
 from tierlab.engine.kernels.dense import gated_deltanet
 
 K_HEADS, V_HEADS, DK, DV = 2, 4, 16, 16
@@ -44,3 +45,66 @@ def test_output_does_not_depend_on_where_out_lies_next_to_z():
         out, state = _run(inp, z, buf[n + gap:].reshape(1, n))
         assert np.array_equal(state, state_apart)
         assert np.array_equal(out, apart), gap
+
+
+def _prompt_inputs(tokens: int, seed: int = 1) -> dict:
+    rng = np.random.default_rng(seed)
+    inp = _inputs(seed)
+    f = lambda *shape, s=1.0: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
+    inp.update(mixed=f(tokens, CHANNELS), z=f(tokens, V_HEADS * DV, s=3.0), b=f(tokens, V_HEADS), a=f(tokens, V_HEADS))
+    return inp
+
+
+def _call(kernel, inp: dict, rows: slice, conv: np.ndarray, state: np.ndarray) -> np.ndarray:
+    n = len(range(*rows.indices(inp["mixed"].shape[0])))
+    out = np.empty((n, V_HEADS * DV), np.float32)
+    kernel(np.ascontiguousarray(inp["mixed"][rows]), conv, inp["conv_w"], np.ascontiguousarray(inp["z"][rows]),
+           np.ascontiguousarray(inp["b"][rows]), np.ascontiguousarray(inp["a"][rows]), inp["a_log"], inp["dt_bias"],
+           inp["norm_w"], np.float32(1e-6), state, K_HEADS, V_HEADS, DK, DV, out)
+    return out
+
+
+def test_prompt_kernel_is_bit_identical_to_token_by_token_decode():
+    """A prompt's heads-outermost kernel gives every token, and the state after the last one,
+    exactly what feeding the tokens one at a time through the decode kernel gives."""
+    inp = _prompt_inputs(13)
+    conv_p, state_p = inp["conv"].copy(), inp["state"].copy()
+    got = _call(gated_deltanet_prompt, inp, slice(0, 13), conv_p, state_p)
+    conv_d, state_d = inp["conv"].copy(), inp["state"].copy()
+    for t in range(13):
+        one = _call(gated_deltanet, inp, slice(t, t + 1), conv_d, state_d)
+        np.testing.assert_array_equal(got[t], one[0])
+    np.testing.assert_array_equal(state_p, state_d)
+    np.testing.assert_array_equal(conv_p, conv_d)
+
+
+def test_prompt_kernel_matches_a_float64_delta_rule():
+    """The recurrence itself, written out in float64 numpy: conv + SiLU, L2-normalised q and k,
+    S = decay * S + k (beta (v - decay S^T k))^T, o = S^T q, gated RMSNorm."""
+    inp = _prompt_inputs(9, seed=3)
+    conv, state = inp["conv"].copy(), inp["state"].copy()
+    got = _call(gated_deltanet_prompt, inp, slice(0, 9), conv, state)
+    f8 = lambda v: np.asarray(v, np.float64)  # noqa: E731
+    hist = np.concatenate([f8(inp["conv"]), f8(inp["mixed"])])
+    S = f8(inp["state"]).copy()
+    key = K_HEADS * DK
+    for t in range(9):
+        pre = (hist[t:t + 4] * f8(inp["conv_w"]).T).sum(0)
+        x = pre / (1 + np.exp(-pre))
+        q = x[:key].reshape(K_HEADS, DK)
+        k = x[key:2 * key].reshape(K_HEADS, DK)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(DK)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        v = x[2 * key:].reshape(V_HEADS, DV)
+        for h in range(V_HEADS):
+            hk = h // (V_HEADS // K_HEADS)
+            beta = 1 / (1 + np.exp(-f8(inp["b"][t, h])))
+            a = f8(inp["a"][t, h]) + f8(inp["dt_bias"][h])
+            decay = np.exp(-np.exp(f8(inp["a_log"][h])) * np.log1p(np.exp(a)))
+            delta = beta * (v[h] - decay * S[h].T @ k[hk])
+            S[h] = decay * S[h] + np.outer(k[hk], delta)
+            o = S[h].T @ q[hk]
+            zt = f8(inp["z"][t, h * DV:(h + 1) * DV])
+            ref = f8(inp["norm_w"]) * o / np.sqrt((o * o).mean() + 1e-6) * zt / (1 + np.exp(-zt))
+            np.testing.assert_allclose(got[t, h * DV:(h + 1) * DV], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(state, S, rtol=1e-4, atol=1e-6)

@@ -10,6 +10,7 @@ import pytest
 import oracle_models as om
 from conftest import run_cli
 from tierlab.app.lab.evaluate import run_eval, teacher_forced_nll
+from tierlab.engine.knobs import Knobs
 from tierlab.engine.model import load_engine
 
 NAMES = ["qwen3_5_moe", "qwen3_moe", "qwen3_5_moe_fused_vl"]
@@ -77,11 +78,13 @@ def test_tf_nll_matches_transformers(oracle_models, references, name):
 
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_moe"])
 def test_results_identical_for_every_cache_size(oracle_models, references, name):
+    """With PREFILL_EXACT a prompt's grouped experts (every expert has a slot) give the bits of
+    the token-by-token path that smaller caches take."""
     _, folder = oracle_models[name]
     full, _ = references[name]
     results = {}
     for slots in (1, 2, None):
-        engine = load_engine(folder, cache_slots=slots)
+        engine = load_engine(folder, cache_slots=slots, knobs=Knobs.from_env(PREFILL_EXACT="1"))
         r = run_eval(engine, PROMPT, full, ppl=True)
         results[slots] = r
         assert r["matching"] == r["total"] == 16
@@ -93,6 +96,18 @@ def test_results_identical_for_every_cache_size(oracle_models, references, name)
     assert results[1]["ram_hit"] <= results[2]["ram_hit"] <= results[None]["ram_hit"]
     for r in results.values():
         assert r["oracle_hit"] >= r["ram_hit"] - 1e-9
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_moe"])
+def test_grouped_prefill_agrees_with_token_by_token_within_float_noise(oracle_models, references, name):
+    """By default a prompt's grouped experts use matrix-matrix products: the same greedy tokens
+    and a TF-NLL within 1e-6 of the token-by-token path a one-slot cache takes."""
+    _, folder = oracle_models[name]
+    full, _ = references[name]
+    fast = run_eval(load_engine(folder, knobs=Knobs.from_env({})), PROMPT, full, ppl=True)
+    alone = run_eval(load_engine(folder, cache_slots=1, knobs=Knobs.from_env({})), PROMPT, full, ppl=True)
+    assert fast["generated"] == alone["generated"]
+    assert abs(fast["tf_nll"] - alone["tf_nll"]) <= 1e-6 * max(1.0, abs(alone["tf_nll"]))
 
 
 def test_eval_cli_reports_all_tokens_matching(oracle_models, references, tmp_path):

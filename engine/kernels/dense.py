@@ -171,48 +171,55 @@ def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, e
     out: [T, v_heads*dv] gated-normed output before out_proj
     """
     t_count, channels = mixed.shape
-    ksize = conv_w.shape[1]
     key_dim = k_heads * dk
     ratio = v_heads // k_heads
     conv_out = np.empty(channels, dtype=np.float32)
     q = np.empty((k_heads, dk), dtype=np.float32)
     k = np.empty((k_heads, dk), dtype=np.float32)
-    q_scale = np.float32(1.0 / math.sqrt(dk))
     for t in range(t_count):
-        # depthwise causal conv over the last K inputs, then SiLU
-        for c in range(channels):
-            acc = np.float32(0.0)
-            for j in range(ksize - 1):
-                acc += conv_w[c, j] * conv_state[j, c]
-            acc += conv_w[c, ksize - 1] * mixed[t, c]
-            conv_out[c] = acc / (np.float32(1.0) + np.float32(math.exp(-acc)))
-        for j in range(ksize - 2):
-            for c in range(channels):
-                conv_state[j, c] = conv_state[j + 1, c]
-        if ksize > 1:
-            for c in range(channels):
-                conv_state[ksize - 2, c] = mixed[t, c]
-        # L2-normalised q (scaled by 1/sqrt(dk)) and k per key head
-        for hk in range(k_heads):
-            sq = np.float32(0.0)
-            sk = np.float32(0.0)
-            for i in range(dk):
-                qv = conv_out[hk * dk + i]
-                kv = conv_out[key_dim + hk * dk + i]
-                sq += qv * qv
-                sk += kv * kv
-            iq = np.float32(1.0 / math.sqrt(sq + 1e-6)) * q_scale
-            ik = np.float32(1.0 / math.sqrt(sk + 1e-6))
-            for i in range(dk):
-                q[hk, i] = conv_out[hk * dk + i] * iq
-                k[hk, i] = conv_out[key_dim + hk * dk + i] * ik
+        deltanet_token_inputs(t, mixed, conv_state, conv_w, k_heads, dk, conv_out, q, k)
         for hv in prange(v_heads):  # value heads are independent given q and k
-            _deltanet_head(hv, hv // ratio, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state,
-                           2 * key_dim + hv * dv, dv, out)
+            deltanet_head(hv, hv // ratio, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state,
+                          2 * key_dim + hv * dv, dv, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _deltanet_head(hv, hk, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state, vbase, dv, out):
+def deltanet_token_inputs(t, mixed, conv_state, conv_w, k_heads, dk, conv_out, q, k):
+    """Token t's conv output (depthwise causal conv then SiLU; conv_state moves on by one input)
+    and its L2-normalised q (scaled by 1/sqrt(dk)) and k per key head."""
+    channels = mixed.shape[1]
+    ksize = conv_w.shape[1]
+    key_dim = k_heads * dk
+    q_scale = np.float32(1.0 / math.sqrt(dk))
+    for c in range(channels):
+        acc = np.float32(0.0)
+        for j in range(ksize - 1):
+            acc += conv_w[c, j] * conv_state[j, c]
+        acc += conv_w[c, ksize - 1] * mixed[t, c]
+        conv_out[c] = acc / (np.float32(1.0) + np.float32(math.exp(-acc)))
+    for j in range(ksize - 2):
+        for c in range(channels):
+            conv_state[j, c] = conv_state[j + 1, c]
+    if ksize > 1:
+        for c in range(channels):
+            conv_state[ksize - 2, c] = mixed[t, c]
+    for hk in range(k_heads):
+        sq = np.float32(0.0)
+        sk = np.float32(0.0)
+        for i in range(dk):
+            qv = conv_out[hk * dk + i]
+            kv = conv_out[key_dim + hk * dk + i]
+            sq += qv * qv
+            sk += kv * kv
+        iq = np.float32(1.0 / math.sqrt(sq + 1e-6)) * q_scale
+        ik = np.float32(1.0 / math.sqrt(sk + 1e-6))
+        for i in range(dk):
+            q[hk, i] = conv_out[hk * dk + i] * iq
+            k[hk, i] = conv_out[key_dim + hk * dk + i] * ik
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def deltanet_head(hv, hk, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state, vbase, dv, out):
     """One value head of one token: the delta-rule update of S [dk, dv] and the gated-normed output.
 
     With S' = decay * S + k (x) delta, the output S'^T q is computed as

@@ -1,9 +1,10 @@
 """Gated DeltaNet, the linear-attention mixer of Qwen3.5/3.6 (30 of 40 layers).
 
 State per layer: the last K-1 inputs of the depthwise causal conv and a
-float32 recurrent matrix per value head. Decode and prefill share one kernel
-that walks the tokens in order (the recurrence is sequential anyway); the
-projections before and after it use matrix-matrix work for a prompt.
+float32 recurrent matrix per value head. Decode walks one token's heads in
+parallel; a prompt runs each head through all its tokens on one thread
+(kernels/deltanet_prompt.py, the same arithmetic); the projections before
+and after it use matrix-matrix work for a prompt.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
+from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
 from tierlab.engine.kernels.dense import gated_deltanet, linear
 
 
@@ -73,7 +75,8 @@ class GatedDeltaNet:
         T = x.shape[0]
         mixed, z, b, a = np.split(linear(self.w_in, x), self.splits, axis=-1)
         out = np.empty((T, cfg.lin_v_heads * cfg.lin_v_dim), dtype=np.float32)
-        gated_deltanet(
+        kernel = gated_deltanet if T == 1 else gated_deltanet_prompt
+        kernel(
             np.ascontiguousarray(mixed), state.conv, self.conv_w, np.ascontiguousarray(z),
             np.ascontiguousarray(b), np.ascontiguousarray(a), self.a_log, self.dt_bias, self.norm_w,
             np.float32(cfg.rms_eps), state.recurrent, cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, out,
