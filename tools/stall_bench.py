@@ -33,6 +33,7 @@ import json, sys, threading, time
 from tierlab.engine.config import load_config
 from tierlab.engine.options import EngineOptions, first_run_slots
 from pathlib import Path
+from numba.core import event
 
 model, tokens, toggle, warm = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 cfg = load_config(model)
@@ -40,10 +41,23 @@ slots = first_run_slots(cfg.n_experts, cfg.top_k)
 engine = EngineOptions(model, slots, knobs_from_env=False, warmup=warm).open()
 print("ready", flush=True)
 t_ready = time.perf_counter()
+times, changes = [], {}
+late = []  # (token index, kernel and argument types) compiled after ready, on any thread
+
+
+class Heard(event.Listener):
+    def on_start(self, ev):
+        pass
+
+    def on_end(self, ev):
+        args = ", ".join(str(a) for a in ev.data["args"])
+        late.append((len(times), f"{ev.data['dispatcher'].py_func.__qualname__}({args})"))
+
+
+event.register("numba:compile", Heard())
 tok = engine.tokenizer
 prompt = tok.render_chat([{"role": "user", "content": "Tell me a story about a cat."}]) if getattr(tok, "chat_template", None) else "Once upon a time"
 ids = tok.encode(prompt)
-times, changes = [], {}
 resize = None
 for i, token in enumerate(engine.generate(ids, max_new_tokens=tokens, eos_ids=[])):
     times.append(time.perf_counter())
@@ -63,7 +77,9 @@ at = {name: max(gaps[i:i + 3]) * 1000 for name, i in changes.items() if i < len(
 print(json.dumps({"first_token_s": times[0] - t_ready, "max_gap_ms": max(gaps) * 1000,
                   "median_gap_ms": sorted(gaps)[len(gaps) // 2] * 1000, "gap_after_change_ms": at,
                   "tokens": len(times), "slots": slots, "n_experts": cfg.n_experts,
-                  "cache_after": engine.cache_slots()}))
+                  "cache_after": engine.cache_slots(),
+                  "compiled_before_first_token": [k for i, k in late if i == 0],
+                  "compiled_after_ready": [k for _, k in late]}))
 """
 
 
@@ -121,7 +137,7 @@ async def main():
                           "median_gap_ms": sorted(gaps)[len(gaps) // 2] * 1000,
                           "gap_after_change_ms": {"CACHE_ROUTE=1": max(gaps[changed - 1:changed + 2]) * 1000},
                           "tokens": len(times), "slots": app.engine.cache_slots(),
-                          "n_experts": app.engine.config.n_experts, "cache_after": app.engine.cache_slots(),
+                            "n_experts": app.engine.config.n_experts, "cache_after": app.engine.cache_slots(),
                           "compiled_after_ready": compiled}),
               flush=True)
 
