@@ -86,8 +86,14 @@ def cache_key(root: Path = PACKAGE, environ=os.environ) -> str:
     return digest.hexdigest()[:16]
 
 
-def user_cache_root(environ=os.environ) -> Path:
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+def user_cache_root(environ=os.environ) -> Path | None:
+    """tierlab/numba in the user's cache folder (XDG_CACHE_HOME, else ~/.cache); None without a home."""
+    base = environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError):
+            return None
     return Path(base) / "tierlab" / "numba"
 
 
@@ -126,16 +132,17 @@ def choose(environ=os.environ) -> str | None:
     if given and given != environ.get(CHOSEN):
         return given
     key = cache_key(environ=environ)
-    candidates = [user_cache_root(environ)]
     uid = os.getuid() if hasattr(os, "getuid") else "user"
-    candidates.append(Path(os.environ.get("TMPDIR", "/tmp")) / f"tierlab-{uid}" / "numba")
+    candidates = [user_cache_root(environ), Path(environ.get("TMPDIR", "/tmp")) / f"tierlab-{uid}" / "numba"]
     for root in candidates:
+        if root is None:
+            continue
         folder = root / key
         if _writable(folder):
             os.utime(folder)  # in use: remove_stale keeps it
             remove_stale(root, folder)
             environ[ENV] = environ[CHOSEN] = str(folder)
-            if "numba" in sys.modules:  # numba read its settings already: have it read them again
+            if environ is os.environ and "numba" in sys.modules:  # numba read its settings already
                 from numba.core import config
 
                 config.reload_config()
