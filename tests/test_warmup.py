@@ -22,9 +22,11 @@ from tierlab.engine.warmup import STEPS, kernels, representative_layers
 MODEL = tierlab.ASSETS_DIR / "tiny-moe"
 
 # A session in a fresh process: the kernels' signatures after loading, then after a chat that
-# moves every lever mid-reply, resizes the RAM cache, evaluates (all logits) and samples.
+# moves every lever mid-reply, resizes the RAM cache, evaluates (all logits), samples, reads a
+# long prompt and continues a conversation into its next turn.
 SESSION = r"""
 import json, sys
+from tierlab.engine.conversation import Conversation
 from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.warmup import kernel_signatures, new_signatures
@@ -46,6 +48,10 @@ engine.prefill(ids, all_logits=True)
 engine.set_cache_slots(5)
 engine.knobs.set("CACHE_ROUTE", "1")
 list(engine.generate(ids, max_new_tokens=4, temperature=0.8, top_p=0.9))
+engine.prefill((ids * 40)[:300])  # a long prompt: any path a prompt's length selects
+chat = Conversation(engine)  # a chat's next turn continues the sequence state with a prompt
+reply = list(chat.generate(ids, max_new_tokens=3))
+list(chat.generate(ids + reply + ids, max_new_tokens=3))
 print(json.dumps({"new": new_signatures(before, kernel_signatures()), "tier": engine.tier_description() is not None}))
 """
 

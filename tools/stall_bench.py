@@ -9,7 +9,7 @@ another thread at 4*TOGGLE (as the app's cache worker does). Reported: seconds
 from process start to ready, the first token's latency after ready, and the
 largest gap between two tokens (overall, and at each change).
 
-    python tools/stall_bench.py [--model DIR] [--tokens 60] [--no-warmup] [--app]
+    python tools/stall_bench.py [--model DIR] [--tokens 60] [--cache N] [--no-warmup] [--app]
 
 With --app the same is measured in the app itself (TierlabApp under
 `App.run_test()`, headless): ready is the engine appearing in the app, the
@@ -37,7 +37,7 @@ from numba.core import event
 
 model, tokens, toggle, warm = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 cfg = load_config(model)
-slots = first_run_slots(cfg.n_experts, cfg.top_k)
+slots = int(sys.argv[5]) or first_run_slots(cfg.n_experts, cfg.top_k)
 engine = EngineOptions(model, slots, knobs_from_env=False, warmup=warm).open()
 print("ready", flush=True)
 t_ready = time.perf_counter()
@@ -146,11 +146,12 @@ asyncio.run(main())
 """
 
 
-def run_once(model: Path, tokens: int, toggle: int, warm: bool, cache_dir: str, app: bool = False) -> dict:
+def run_once(model: Path, tokens: int, toggle: int, warm: bool, cache_dir: str, app: bool = False,
+             cache: int = 0) -> dict:
     env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", APP_CHILD if app else CHILD, str(model), str(tokens), str(toggle),
-                              "1" if warm else "0"],
+                              "1" if warm else "0", str(cache)],
                              stdout=subprocess.PIPE, text=True, env=env)
     assert child.stdout is not None
     line = child.stdout.readline()
@@ -181,12 +182,14 @@ def main() -> int:
     parser.add_argument("--app", action="store_true",
                         help="run the app (TierlabApp under run_test, 160x48) instead of the engine alone; "
                         "CACHE_ROUTE is switched on at --toggle as the knob's handler does")
+    parser.add_argument("--cache", type=int, default=0,
+                        help="RAM cache slots per layer for the engine child (default: the app's first-run cache)")
     args = parser.parse_args()
     modes = [True] + ([False] if args.no_warmup else [])
     for warm in modes:
         with tempfile.TemporaryDirectory(prefix="tierlab-numba-") as cache_dir:
             for start in ("empty cache", "cached"):
-                r = run_once(args.model, args.tokens, args.toggle, warm, cache_dir, args.app)
+                r = run_once(args.model, args.tokens, args.toggle, warm, cache_dir, args.app, args.cache)
                 changes = ", ".join(f"{k} {v:.0f}" for k, v in r["gap_after_change_ms"].items())
                 print(f"{'app' if args.app else 'engine'} | {'warm-up' if warm else 'no warm-up'} | {start} | "
                       f"ready {r['ready_s']:.1f} s | "
