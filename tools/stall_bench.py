@@ -77,7 +77,7 @@ at = {name: max(gaps[i:i + 3]) * 1000 for name, i in changes.items() if i < len(
 print(json.dumps({"first_token_s": times[0] - t_ready, "max_gap_ms": max(gaps) * 1000,
                   "median_gap_ms": sorted(gaps)[len(gaps) // 2] * 1000, "gap_after_change_ms": at,
                   "tokens": len(times), "slots": slots, "n_experts": cfg.n_experts,
-                  "cache_after": engine.cache_slots(),
+                  "cache_after": engine.cache_slots(), "prompt_tokens": len(ids),
                   "compiled_before_first_token": [k for i, k in late if i == 0],
                   "compiled_after_ready": [k for _, k in late]}))
 """
@@ -193,7 +193,8 @@ def main() -> int:
                 changes = ", ".join(f"{k} {v:.0f}" for k, v in r["gap_after_change_ms"].items())
                 print(f"{'app' if args.app else 'engine'} | {'warm-up' if warm else 'no warm-up'} | {start} | "
                       f"ready {r['ready_s']:.1f} s | "
-                      f"first token {r['first_token_s'] * 1000:.0f} ms | max gap {r['max_gap_ms']:.0f} ms "
+                      f"first token {r['first_token_s'] * 1000:.0f} ms"
+                      + (f" ({r['prompt_tokens']}-token prompt)" if "prompt_tokens" in r else "") + " | max gap {r['max_gap_ms']:.0f} ms "
                       f"(median {r['median_gap_ms']:.1f}) | gap at change (ms): {changes} | "
                       f"cache {r['slots']}/{r['n_experts']} -> {r['cache_after']}"
                       + (f" | compiled after ready: {compiled_text(r['compiled_after_ready'])}"
