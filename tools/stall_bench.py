@@ -194,7 +194,8 @@ def main() -> int:
                 print(f"{'app' if args.app else 'engine'} | {'warm-up' if warm else 'no warm-up'} | {start} | "
                       f"ready {r['ready_s']:.1f} s | "
                       f"first token {r['first_token_s'] * 1000:.0f} ms"
-                      + (f" ({r['prompt_tokens']}-token prompt)" if "prompt_tokens" in r else "") + f" | max gap {r['max_gap_ms']:.0f} ms "
+                      + (f" ({r['prompt_tokens']}-token prompt)" if "prompt_tokens" in r else "")
+                      + f" | max gap {r['max_gap_ms']:.0f} ms "
                       f"(median {r['median_gap_ms']:.1f}) | gap at change (ms): {changes} | "
                       f"cache {r['slots']}/{r['n_experts']} -> {r['cache_after']}"
                       + (f" | compiled after ready: {compiled_text(r['compiled_after_ready'])}"
