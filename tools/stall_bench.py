@@ -59,8 +59,11 @@ tok = engine.tokenizer
 prompt = tok.render_chat([{"role": "user", "content": "Tell me a story about a cat."}]) if getattr(tok, "chat_template", None) else "Once upon a time"
 ids = tok.encode(prompt)
 resize = None
+first_phases = {}
 for i, token in enumerate(engine.generate(ids, max_new_tokens=tokens, eos_ids=[])):
     times.append(time.perf_counter())
+    if i == 0:  # where the first token's time went (the prompt's pass): engine timers, seconds
+        first_phases = {k: round(v, 3) for k, v in engine.timers.items() if v >= 0.001}
     if i == toggle:
         engine.knobs.set("CACHE_ROUTE", "1"); changes["CACHE_ROUTE=1"] = i
     elif i == 2 * toggle:
@@ -78,6 +81,7 @@ print(json.dumps({"first_token_s": times[0] - t_ready, "max_gap_ms": max(gaps) *
                   "median_gap_ms": sorted(gaps)[len(gaps) // 2] * 1000, "gap_after_change_ms": at,
                   "tokens": len(times), "slots": slots, "n_experts": cfg.n_experts,
                   "cache_after": engine.cache_slots(), "prompt_tokens": len(ids),
+                  "first_token_phases": first_phases,
                   "compiled_before_first_token": [k for i, k in late if i == 0],
                   "compiled_after_ready": [k for _, k in late]}))
 """
@@ -198,6 +202,7 @@ def main() -> int:
                       + f" | max gap {r['max_gap_ms']:.0f} ms "
                       f"(median {r['median_gap_ms']:.1f}) | gap at change (ms): {changes} | "
                       f"cache {r['slots']}/{r['n_experts']} -> {r['cache_after']}"
+                      + (f" | first token's phases (s): {r['first_token_phases']}" if r.get("first_token_phases") else "")
                       + (f" | compiled after ready: {compiled_text(r['compiled_after_ready'])}"
                          if "compiled_after_ready" in r else ""), flush=True)
     return 0
