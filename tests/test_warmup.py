@@ -56,6 +56,28 @@ print(json.dumps({"new": new_signatures(before, kernel_signatures()), "tier": en
 """
 
 
+# The app's oracle band in a fresh process: after the app's loading (the warm-up and the oracle's
+# replays), a reply and the band's readings on its own thread compile nothing.
+ORACLE = r"""
+import json
+from tierlab.app.lab.oracle import OracleBand
+from tierlab.app.tui.app import warm_oracle_kernels
+from tierlab.engine.options import EngineOptions
+from tierlab.engine.warmup import kernel_signatures, new_signatures
+
+engine = EngineOptions(cache=12, knobs_from_env=False).open()
+warm_oracle_kernels()
+before = kernel_signatures()
+band = OracleBand(interval=0.05, n_experts=engine.config.n_experts)
+engine.subscribe(band.add)
+band.start()
+list(engine.generate(engine.tokenizer.encode("Once upon a time"), max_new_tokens=8))
+band.close()
+reading = band.reading()
+print(json.dumps({"new": new_signatures(before, kernel_signatures()), "lru": sorted(reading.lru_hit_by_size)}))
+"""
+
+
 def run_session(warm: bool, tier: bool = False) -> dict:
     done = subprocess.run([sys.executable, "-c", SESSION, "1" if warm else "0", "1" if tier else "0"],
                           capture_output=True, text=True, env=dict(os.environ), timeout=600)
@@ -71,6 +93,14 @@ def test_without_the_warm_up_the_same_session_meets_new_signatures():
     """The check above can fail: skipping the warm-up leaves kernels for the session to compile."""
     new = run_session(warm=False)["new"]
     assert any("qmatvec" in name for name in new) and any("routing" in name for name in new), new
+
+
+def test_after_the_apps_loading_the_oracle_band_compiles_nothing():
+    done = subprocess.run([sys.executable, "-c", ORACLE], capture_output=True, text=True, env=dict(os.environ),
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["lru"] and result["new"] == {}
 
 
 def test_with_a_gpu_tier_a_session_compiles_nothing(opencl_device):
