@@ -12,6 +12,13 @@ from tierlab.engine import threading_layer as _threading_layer
 
 THREADING_LAYER = _threading_layer.choose()
 
+# numba's disk cache: a folder in the user's cache keyed by the kernels'
+# sources, so an installed package caches too and a change in one module
+# never leaves stale machine code in another (engine/kernel_cache.py).
+from tierlab.engine import kernel_cache as _kernel_cache
+
+KERNEL_CACHE_DIR = _kernel_cache.choose()
+
 __version__ = "0.1.0"
 
 #: Folder that holds the shipped models (the repository's assets/ folder).

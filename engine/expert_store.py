@@ -502,8 +502,8 @@ class ExpertStore:
 
     def _take(self, layer: int, expert: int) -> tuple[int, bool]:
         """Under the lock: claim the expert's slot, mark it in use and recent, count hit or miss."""
-        st = self._layers[layer]
         s, must_load = self._claim(layer, expert)
+        st = self._layers[layer]  # after _claim: its waits may have let set_slots replace the layer
         st["busy"][s] += 1
         self._clock += 1
         st["last"][s] = self._clock
@@ -534,8 +534,8 @@ class ExpertStore:
 
     def _claim(self, layer: int, expert: int) -> tuple[int, bool]:
         """Under the lock: the slot for `expert`, and whether it must be loaded."""
-        st = self._layers[layer]
         while True:
+            st = self._layers[layer]  # again after each wait: set_slots may have replaced the layer
             s = int(st["slot_of"][expert])
             if s >= 0:
                 if st["loading"][s]:
@@ -589,10 +589,10 @@ class ExpertStore:
         """Load into RAM without counting a hit or miss (PILOT, HOT); True if a read was issued.
 
         `for_pass` (PILOT): the pass the read is for; the read then enters the prefetch ledger."""
-        st = self._layers[layer]
-        if st is None:
-            return False
-        with self._cond:
+        with self._cond:  # the layer as it is now: set_slots replaces it under this lock
+            st = self._layers[layer]
+            if st is None:
+                return False
             s = int(st["slot_of"][expert])
             if s >= 0:
                 return False
@@ -601,7 +601,7 @@ class ExpertStore:
                 return False
             s, must_load = self._claim(layer, expert)
             if must_load and for_pass is not None:
-                st["pf_pass"][s] = int(for_pass)
+                self._layers[layer]["pf_pass"][s] = int(for_pass)
         if must_load:
             self._load(layer, expert, s)
             with self._cond:

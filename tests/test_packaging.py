@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -36,8 +37,11 @@ def unpacked_wheel(tmp_path_factory) -> Path:
     return site
 
 
-def _run(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(site: Path, cwd: Path, *args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(site))
+    if cache is not None:  # a user who set no NUMBA_CACHE_DIR, with this as their cache folder
+        env = {k: v for k, v in env.items() if k not in ("NUMBA_CACHE_DIR", "TIERLAB_NUMBA_CACHE_DIR")}
+        env["XDG_CACHE_HOME"] = str(cache)
     return subprocess.run([sys.executable, "-m", "tierlab", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -48,6 +52,15 @@ def test_the_wheel_generates_on_its_shipped_model_from_another_directory(unpacke
     probe = subprocess.run([sys.executable, "-c", "import tierlab; print(tierlab.__file__)"], cwd=tmp_path,
                            env=dict(os.environ, PYTHONPATH=str(unpacked_wheel)), capture_output=True, text=True)
     assert probe.stdout.strip() == str(unpacked_wheel / "tierlab" / "__init__.py")
-    result = _run(unpacked_wheel, tmp_path, "generate", "--prompt", "Once upon a time", "-n", "3", "--json")
+    result = _run(unpacked_wheel, tmp_path, "generate", "--prompt", "Once upon a time", "-n", "3", "--json",
+                  cache=tmp_path / "cache")
     assert result.returncode == 0, result.stderr
     assert '"text"' in result.stdout
+    assert "compiling kernels" in result.stderr  # a new install: nothing cached yet
+    kept = list((tmp_path / "cache" / "tierlab" / "numba").glob("*/**/*.nbi"))
+    assert kept and not list((unpacked_wheel / "tierlab").glob("**/*.nbi"))  # the user's cache, not the install
+    again = _run(unpacked_wheel, tmp_path, "generate", "--prompt", "Once upon a time", "-n", "3", "--json",
+                 cache=tmp_path / "cache")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["text"] == json.loads(result.stdout)["text"]
+    assert "compiling kernels" not in again.stderr  # every kernel came from the user's cache

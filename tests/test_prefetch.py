@@ -140,3 +140,39 @@ def test_token_fetch_reads_right_bytes_and_protects_its_own_hits(oracle_models):
     store = ExpertStore(source, 1, 8, 4, [True], notice=print)
     assert store.acquire(0, [0, 1, 2, 3, 4]) is None  # more experts than slots
     store.close()
+
+
+def test_prefetch_while_another_thread_resizes_the_cache():
+    """PILOT's loads run while the app's cache worker resizes the RAM cache: a prefetch takes the
+    layer as it is under the store's lock, so it never claims a slot of the new layer and then
+    fails on the old one (which left the slot loading and every later resize waiting forever)."""
+    import threading
+
+    engine = load_engine(ASSETS_DIR / "tiny-moe", cache_slots=4, warmup=False)
+    store, cfg = engine.store, engine.config
+    layer = cfg.moe_layers.index(True)
+    errors, stop = [], threading.Event()
+
+    def load_ahead():
+        i = 0
+        while not stop.is_set():
+            try:
+                store.prefetch(layer, i % cfg.n_experts, for_pass=0)
+            except Exception as exc:
+                errors.append(repr(exc))
+            i += 1
+
+    loader = threading.Thread(target=load_ahead, daemon=True)
+    loader.start()
+    for r in range(60):  # 4 and n_experts slots in turn, ending at 4
+        resize = threading.Thread(target=engine.set_cache_slots, args=(4 if r % 2 else cfg.n_experts,), daemon=True)
+        resize.start()
+        resize.join(10)
+        if resize.is_alive():
+            errors.append("the resize never finished")
+            break
+    stop.set()
+    loader.join(10)
+    assert errors == []
+    assert engine.cache_slots() == 4
+    engine.close()

@@ -22,9 +22,11 @@ from tierlab.engine.warmup import STEPS, kernels, representative_layers
 MODEL = tierlab.ASSETS_DIR / "tiny-moe"
 
 # A session in a fresh process: the kernels' signatures after loading, then after a chat that
-# moves every lever mid-reply, resizes the RAM cache, evaluates (all logits) and samples.
+# moves every lever mid-reply, resizes the RAM cache, evaluates (all logits), samples, reads a
+# long prompt and continues a conversation into its next turn.
 SESSION = r"""
 import json, sys
+from tierlab.engine.conversation import Conversation
 from tierlab.engine.options import EngineOptions
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.warmup import kernel_signatures, new_signatures
@@ -46,7 +48,33 @@ engine.prefill(ids, all_logits=True)
 engine.set_cache_slots(5)
 engine.knobs.set("CACHE_ROUTE", "1")
 list(engine.generate(ids, max_new_tokens=4, temperature=0.8, top_p=0.9))
+engine.prefill((ids * 40)[:300])  # a long prompt: any path a prompt's length selects
+chat = Conversation(engine)  # a chat's next turn continues the sequence state with a prompt
+reply = list(chat.generate(ids, max_new_tokens=3))
+list(chat.generate(ids + reply + ids, max_new_tokens=3))
 print(json.dumps({"new": new_signatures(before, kernel_signatures()), "tier": engine.tier_description() is not None}))
+"""
+
+
+# The app's oracle band in a fresh process: after the app's loading (the warm-up and the oracle's
+# replays), a reply and the band's readings on its own thread compile nothing.
+ORACLE = r"""
+import json
+from tierlab.app.lab.oracle import OracleBand
+from tierlab.app.tui.app import warm_oracle_kernels
+from tierlab.engine.options import EngineOptions
+from tierlab.engine.warmup import kernel_signatures, new_signatures
+
+engine = EngineOptions(cache=12, knobs_from_env=False).open()
+warm_oracle_kernels()
+before = kernel_signatures()
+band = OracleBand(interval=0.05, n_experts=engine.config.n_experts)
+engine.subscribe(band.add)
+band.start()
+list(engine.generate(engine.tokenizer.encode("Once upon a time"), max_new_tokens=8))
+band.close()
+reading = band.reading()
+print(json.dumps({"new": new_signatures(before, kernel_signatures()), "lru": sorted(reading.lru_hit_by_size)}))
 """
 
 
@@ -65,6 +93,14 @@ def test_without_the_warm_up_the_same_session_meets_new_signatures():
     """The check above can fail: skipping the warm-up leaves kernels for the session to compile."""
     new = run_session(warm=False)["new"]
     assert any("qmatvec" in name for name in new) and any("routing" in name for name in new), new
+
+
+def test_after_the_apps_loading_the_oracle_band_compiles_nothing():
+    done = subprocess.run([sys.executable, "-c", ORACLE], capture_output=True, text=True, env=dict(os.environ),
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["lru"] and result["new"] == {}
 
 
 def test_with_a_gpu_tier_a_session_compiles_nothing(opencl_device):

@@ -9,7 +9,7 @@ another thread at 4*TOGGLE (as the app's cache worker does). Reported: seconds
 from process start to ready, the first token's latency after ready, and the
 largest gap between two tokens (overall, and at each change).
 
-    python tools/stall_bench.py [--model DIR] [--tokens 60] [--no-warmup] [--app]
+    python tools/stall_bench.py [--model DIR] [--tokens 60] [--cache N] [--no-warmup] [--app]
 
 With --app the same is measured in the app itself (TierlabApp under
 `App.run_test()`, headless): ready is the engine appearing in the app, the
@@ -33,20 +33,37 @@ import json, sys, threading, time
 from tierlab.engine.config import load_config
 from tierlab.engine.options import EngineOptions, first_run_slots
 from pathlib import Path
+from numba.core import event
 
 model, tokens, toggle, warm = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 cfg = load_config(model)
-slots = first_run_slots(cfg.n_experts, cfg.top_k)
+slots = int(sys.argv[5]) or first_run_slots(cfg.n_experts, cfg.top_k)
 engine = EngineOptions(model, slots, knobs_from_env=False, warmup=warm).open()
 print("ready", flush=True)
 t_ready = time.perf_counter()
+times, changes = [], {}
+late = []  # (token index, kernel and argument types) compiled after ready, on any thread
+
+
+class Heard(event.Listener):
+    def on_start(self, ev):
+        pass
+
+    def on_end(self, ev):
+        args = ", ".join(str(a) for a in ev.data["args"])
+        late.append((len(times), f"{ev.data['dispatcher'].py_func.__qualname__}({args})"))
+
+
+event.register("numba:compile", Heard())
 tok = engine.tokenizer
 prompt = tok.render_chat([{"role": "user", "content": "Tell me a story about a cat."}]) if getattr(tok, "chat_template", None) else "Once upon a time"
 ids = tok.encode(prompt)
-times, changes = [], {}
 resize = None
+first_phases = {}
 for i, token in enumerate(engine.generate(ids, max_new_tokens=tokens, eos_ids=[])):
     times.append(time.perf_counter())
+    if i == 0:  # where the first token's time went (the prompt's pass): engine timers, seconds
+        first_phases = {k: round(v, 3) for k, v in engine.timers.items() if v >= 0.001}
     if i == toggle:
         engine.knobs.set("CACHE_ROUTE", "1"); changes["CACHE_ROUTE=1"] = i
     elif i == 2 * toggle:
@@ -63,7 +80,10 @@ at = {name: max(gaps[i:i + 3]) * 1000 for name, i in changes.items() if i < len(
 print(json.dumps({"first_token_s": times[0] - t_ready, "max_gap_ms": max(gaps) * 1000,
                   "median_gap_ms": sorted(gaps)[len(gaps) // 2] * 1000, "gap_after_change_ms": at,
                   "tokens": len(times), "slots": slots, "n_experts": cfg.n_experts,
-                  "cache_after": engine.cache_slots()}))
+                  "cache_after": engine.cache_slots(), "prompt_tokens": len(ids),
+                  "first_token_phases": first_phases,
+                  "compiled_before_first_token": [k for i, k in late if i == 0],
+                  "compiled_after_ready": [k for _, k in late]}))
 """
 
 
@@ -121,7 +141,7 @@ async def main():
                           "median_gap_ms": sorted(gaps)[len(gaps) // 2] * 1000,
                           "gap_after_change_ms": {"CACHE_ROUTE=1": max(gaps[changed - 1:changed + 2]) * 1000},
                           "tokens": len(times), "slots": app.engine.cache_slots(),
-                          "n_experts": app.engine.config.n_experts, "cache_after": app.engine.cache_slots(),
+                            "n_experts": app.engine.config.n_experts, "cache_after": app.engine.cache_slots(),
                           "compiled_after_ready": compiled}),
               flush=True)
 
@@ -130,11 +150,12 @@ asyncio.run(main())
 """
 
 
-def run_once(model: Path, tokens: int, toggle: int, warm: bool, cache_dir: str, app: bool = False) -> dict:
+def run_once(model: Path, tokens: int, toggle: int, warm: bool, cache_dir: str, app: bool = False,
+             cache: int = 0) -> dict:
     env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", APP_CHILD if app else CHILD, str(model), str(tokens), str(toggle),
-                              "1" if warm else "0"],
+                              "1" if warm else "0", str(cache)],
                              stdout=subprocess.PIPE, text=True, env=env)
     assert child.stdout is not None
     line = child.stdout.readline()
@@ -165,18 +186,23 @@ def main() -> int:
     parser.add_argument("--app", action="store_true",
                         help="run the app (TierlabApp under run_test, 160x48) instead of the engine alone; "
                         "CACHE_ROUTE is switched on at --toggle as the knob's handler does")
+    parser.add_argument("--cache", type=int, default=0,
+                        help="RAM cache slots per layer for the engine child (default: the app's first-run cache)")
     args = parser.parse_args()
     modes = [True] + ([False] if args.no_warmup else [])
     for warm in modes:
         with tempfile.TemporaryDirectory(prefix="tierlab-numba-") as cache_dir:
             for start in ("empty cache", "cached"):
-                r = run_once(args.model, args.tokens, args.toggle, warm, cache_dir, args.app)
+                r = run_once(args.model, args.tokens, args.toggle, warm, cache_dir, args.app, args.cache)
                 changes = ", ".join(f"{k} {v:.0f}" for k, v in r["gap_after_change_ms"].items())
                 print(f"{'app' if args.app else 'engine'} | {'warm-up' if warm else 'no warm-up'} | {start} | "
                       f"ready {r['ready_s']:.1f} s | "
-                      f"first token {r['first_token_s'] * 1000:.0f} ms | max gap {r['max_gap_ms']:.0f} ms "
+                      f"first token {r['first_token_s'] * 1000:.0f} ms"
+                      + (f" ({r['prompt_tokens']}-token prompt)" if "prompt_tokens" in r else "")
+                      + f" | max gap {r['max_gap_ms']:.0f} ms "
                       f"(median {r['median_gap_ms']:.1f}) | gap at change (ms): {changes} | "
                       f"cache {r['slots']}/{r['n_experts']} -> {r['cache_after']}"
+                      + (f" | first token's phases (s): {r['first_token_phases']}" if r.get("first_token_phases") else "")
                       + (f" | compiled after ready: {compiled_text(r['compiled_after_ready'])}"
                          if "compiled_after_ready" in r else ""), flush=True)
     return 0

@@ -55,11 +55,12 @@ PLOT_INTERVAL = 1.0
 def warm_oracle_kernels() -> None:
     """The oracle band replays Belady and LRU on its own thread while a reply streams; a first
     compile there would take the engine's CPU mid-reply, so the app compiles them while loading."""
-    from tierlab.app.lab.belady import belady_hits, lru_hits
+    from tierlab.app.lab.belady import belady_hits, engine_lru_hits, lru_hits
 
     requests = [[0, 1], [1, 2], [0, 2]]
     belady_hits(requests, 2)
     lru_hits(requests, 2)
+    engine_lru_hits(requests, 2, 3)  # the band's LRU figures at each size (oracle.py: OracleBand.reading)
 
 
 def one_line(exc: BaseException) -> str:
