@@ -42,9 +42,9 @@ def weight_bytes_per_token(engine: EngineSurface) -> dict:
 
 def state_bytes_per_token(cfg, position: float) -> int:
     """Bytes of sequence state one decode token at `position` moves: each DeltaNet layer's
-    recurrent matrices and conv inputs read and written back, each attention layer's KV
-    cache read (and the new entries written). Not weights, so not in the roofline, but
-    memory time all the same."""
+    recurrent matrices and conv inputs read and written back, each attention layer's keys
+    and values read at every position up to this one. Not weights, so not in the roofline,
+    but memory time all the same."""
     total = 0.0
     for kind in cfg.layer_types:
         if kind == "linear_attention":
