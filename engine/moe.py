@@ -20,7 +20,7 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
-from tierlab.engine.kernels.dense import axpy, linear, softmax_row
+from tierlab.engine.kernels.dense import add_weighted, axpy, linear, softmax_row
 from tierlab.engine.routing import plain_topk
 
 
@@ -189,9 +189,7 @@ class MoEBlock:
             for s in on_gpu:
                 route.level[s] = LEVEL_GPU
             route.vram_served = len(on_gpu)
-        for s in range(K):
-            if chosen[s] >= 0:
-                axpy(y, np.float32(route.weights[s]), outputs[s])
+        add_weighted(y, chosen, route.weights, outputs)
 
 
 def _add_shadow(route: LayerRoute, shadow) -> None:

@@ -59,6 +59,15 @@ def test_bench_decode_json_on_a_dense_quantised_container(tmp_path):
     assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_gbs"] * 1e9 / wb["total"])
     assert 0.0 <= r["ram_hit"] <= 100.0 and r["disk_mb_per_token"] >= 0  # percent
     assert set(r["ms_per_token"]) >= {"attention", "deltanet", "router", "fetch", "compute", "lm_head"}
+    # the state a token moves, counted by hand from the config: DeltaNet recurrence and conv
+    # inputs read and written, KV cache read at the decode's middle position (6 + 4 / 2)
+    cfg = json.loads((out / "config.json").read_text())
+    kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, conv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    kinds = cfg["layer_types"]
+    deltanet = 2 * 4 * (vh * dk * dv + (conv - 1) * (2 * kh * dk + vh * dv))
+    kv = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4 * (6 + 4 / 2 + 1)
+    assert r["state_bytes"] == int(kinds.count("linear_attention") * deltanet + kinds.count("full_attention") * kv)
 
 
 def test_bench_decode_is_warm_by_default_and_cold_on_request():

@@ -40,6 +40,22 @@ def weight_bytes_per_token(engine: EngineSurface) -> dict:
             "total": int(dense + experts + lm_head)}
 
 
+def state_bytes_per_token(cfg, position: float) -> int:
+    """Bytes of sequence state one decode token at `position` moves: each DeltaNet layer's
+    recurrent matrices and conv inputs read and written back, each attention layer's keys
+    and values read at every position up to this one. Not weights, so not in the roofline,
+    but memory time all the same."""
+    total = 0.0
+    for kind in cfg.layer_types:
+        if kind == "linear_attention":
+            channels = 2 * cfg.lin_k_heads * cfg.lin_k_dim + cfg.lin_v_heads * cfg.lin_v_dim
+            per_layer = cfg.lin_v_heads * cfg.lin_k_dim * cfg.lin_v_dim + max(cfg.conv_kernel - 1, 0) * channels
+            total += 2 * 4 * per_layer
+        else:
+            total += 2 * cfg.n_kv_heads * cfg.head_dim * 4 * (position + 1)
+    return int(total)
+
+
 def dense_kind(engine: EngineSurface) -> str:
     """How the dense projections are stored: int8/int4 (a --dense-bits container), bf16 or fp32."""
     for value in engine.dense_matrices():
@@ -83,6 +99,7 @@ class DecodeReport:
     cold: bool = False
     dense_kind: str = ""
     page_cache_dropped: bool = False
+    state_bytes: int = 0  # sequence state per decode token (state_bytes_per_token), mid-decode
 
     def to_json(self) -> dict:
         return dict(vars(self))
@@ -136,6 +153,7 @@ def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_toke
         weight_bytes=wb, bandwidth_gbs=bandwidth_gbs, roofline_tok_s=bandwidth_gbs * 1e9 / wb["total"],
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, cold=cold,
         dense_kind=dense_kind(engine), page_cache_dropped=dropped,
+        state_bytes=state_bytes_per_token(engine.config, prompt_tokens + decode_tokens / 2),
     )
 
 
@@ -152,6 +170,8 @@ def format_decode_report(r: DecodeReport) -> str:
         f"from disk {r.disk_mb_per_token:.1f} MiB/token (RAM hit {r.ram_hit:.1f}%)",
         f"bandwidth {r.bandwidth_gbs:.1f} GB/s -> roofline {r.roofline_tok_s:.1f} tok/s; decode is "
         f"{100 * share:.0f}% of it",
+        f"state read and written per token {r.state_bytes / 2**20:.1f} MiB (DeltaNet recurrence, KV cache; not in "
+        f"the roofline) -> with it {r.bandwidth_gbs * 1e9 / (r.weight_bytes['total'] + r.state_bytes):.1f} tok/s",
         "ms/token: " + " ".join(f"{k} {ms[k]:.2f}" for k in TIMER_NAMES),
         f"peak RSS {r.peak_rss_mb:.0f} MiB",
     ]

@@ -295,3 +295,17 @@ def axpy(y, w, x):
     """y += w * x."""
     for i in range(y.shape[0]):
         y[i] += w * x[i]
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def add_weighted(y, chosen, weights, outputs):
+    """y += weights[s] * outputs[s] for every filled slot s (chosen[s] >= 0), in rank order.
+
+    One call per token and layer for the sum of its experts: each slot adds
+    exactly what `axpy` would, in the same order.
+    """
+    for s in range(chosen.shape[0]):
+        if chosen[s] >= 0:
+            w = np.float32(weights[s])
+            for i in range(y.shape[0]):
+                y[i] += w * outputs[s, i]

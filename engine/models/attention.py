@@ -76,7 +76,9 @@ class Attention:
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q_all, k, v = np.split(linear(self.w_qkv, x), self.splits, axis=-1)
+        y = linear(self.w_qkv, x)
+        q_end, k_end = self.splits
+        q_all, k, v = y[:, :q_end], y[:, q_end:k_end], y[:, k_end:]
         if self.gated:
             q_all = q_all.reshape(T, nh, 2 * d)
             q = np.ascontiguousarray(q_all[:, :, :d])

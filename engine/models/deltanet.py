@@ -56,7 +56,7 @@ class GatedDeltaNet:
             ckpt.load(p + "in_proj_b.weight", (vh, H)),
             ckpt.load(p + "in_proj_a.weight", (vh, H)),
         ])
-        self.splits = np.cumsum([C, vh * dv, vh])
+        self.splits = (C, C + vh * dv, C + vh * dv + vh)  # where z, b and a start in the fused output
         self.conv_w = np.ascontiguousarray(ckpt.load_f32(p + "conv1d.weight", (C, 1, cfg.conv_kernel)).reshape(C, cfg.conv_kernel))
         self.a_log = ckpt.load_f32(p + "A_log", (vh,))
         self.dt_bias = ckpt.load_f32(p + "dt_bias", (vh,))
@@ -73,7 +73,9 @@ class GatedDeltaNet:
     def forward(self, x: np.ndarray, start: int, state: DeltaNetState) -> np.ndarray:
         cfg = self.cfg
         T = x.shape[0]
-        mixed, z, b, a = np.split(linear(self.w_in, x), self.splits, axis=-1)
+        y = linear(self.w_in, x)
+        c, zc, bc = self.splits
+        mixed, z, b, a = y[:, :c], y[:, c:zc], y[:, zc:bc], y[:, bc:]
         out = np.empty((T, cfg.lin_v_heads * cfg.lin_v_dim), dtype=np.float32)
         kernel = gated_deltanet if T == 1 else gated_deltanet_prompt
         kernel(
