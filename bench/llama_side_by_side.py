@@ -307,10 +307,12 @@ def cmd_llama(args: argparse.Namespace) -> None:
     llm.reset()
     llm.eval(random_prompt(args.vocab or vocab, args.prompt_tokens, args.seed))
     t0 = time.perf_counter()
-    for _ in range(args.tokens):
+    done = 0
+    while done < args.tokens and (done < 8 or time.perf_counter() - t0 < args.max_decode_s):
         llm.eval([last_argmax()])
+        done += 1
     decode_s = time.perf_counter() - t0
-    print(json.dumps({"decode_tok_s": args.tokens / decode_s, "prefill_tok_s": prefill,
+    print(json.dumps({"decode_tok_s": done / decode_s, "decode_tokens": done, "prefill_tok_s": prefill,
                       "extra_bufts": bool(llm.model_params.use_extra_bufts),
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}))
 
@@ -373,7 +375,7 @@ def prepare(a: argparse.Namespace) -> dict[str, Path]:
 
 # --------------------------------------------------------------------------- the cells
 
-def run_json(cmd: list[str], timeout: float = 900) -> dict:
+def run_json(cmd: list[str], timeout: float) -> dict:
     res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
@@ -383,7 +385,7 @@ def run_json(cmd: list[str], timeout: float = 900) -> dict:
 def tierlab_bench(a: argparse.Namespace, s: Setting, model: Path, prompt: int, tokens: int) -> dict:
     cmd = tierlab_cmd(a, "bench", "decode", "--model", str(model), "--tokens", str(tokens),
                       "--prompt-tokens", str(prompt), "--json")
-    return run_json(["env", f"NUMBA_NUM_THREADS={a.threads}", *s.env_args(), *cmd])
+    return run_json(["env", f"NUMBA_NUM_THREADS={a.threads}", *s.env_args(), *cmd], a.cell_timeout)
 
 
 def tierlab_cell(a: argparse.Namespace, s: Setting, model: Path) -> dict:
@@ -397,9 +399,10 @@ def tierlab_cell(a: argparse.Namespace, s: Setting, model: Path) -> dict:
 def llama_cell(a: argparse.Namespace, s: Setting, gguf_path: Path) -> dict:
     cmd = [sys.executable, str(HERE), "_llama", "--gguf", str(gguf_path), "--tokens", str(a.tokens),
            "--prompt-tokens", str(a.prompt_tokens), "--threads", str(a.threads), "--vocab", str(a.vocab),
-           "--extra-bufts", str(int(s.repack)), "--prefill", *map(str, a.prefill_tokens)]
+           "--extra-bufts", str(int(s.repack)), "--max-decode-s", str(a.max_decode_s),
+           "--prefill", *map(str, a.prefill_tokens)]
     # "env -u" so that a wait policy set in the caller's shell does not leak into the default cells
-    return run_json(["env", "-u", "OMP_WAIT_POLICY", "-u", "GOMP_SPINCOUNT", *s.env_args(), *cmd])
+    return run_json(["env", "-u", "OMP_WAIT_POLICY", "-u", "GOMP_SPINCOUNT", *s.env_args(), *cmd], a.cell_timeout)
 
 
 @dataclass
@@ -439,7 +442,8 @@ def measure_round(a: argparse.Namespace, rnd: int, key: str, paths: dict, cells:
             continue
         cells.add(s, res)
         pre = " ".join(f"{n}: {v:.0f}" for n, v in res["prefill_tok_s"].items())
-        log(f"{key} #{rnd} {s.engine} [{s.name}] decode {res['decode_tok_s']:.2f} tok/s, prefill {pre}; "
+        short = f" ({res['decode_tokens']} tokens)" if res.get("decode_tokens", a.tokens) < a.tokens else ""
+        log(f"{key} #{rnd} {s.engine} [{s.name}] decode {res['decode_tok_s']:.2f} tok/s{short}, prefill {pre}; "
             f"load {os.getloadavg()[0]:.2f}")
 
 
@@ -485,7 +489,9 @@ def settings_lines(a: argparse.Namespace, rows: list[str], cells: dict) -> list[
         vals = []
         for s in settings:
             pre = " / ".join(f"{c.prefill(s, n):.0f}" for n in a.prefill_tokens)
-            vals.append(f"{c.decode(s):.1f}; {pre} (n={len(c.runs.get(s, []))})")
+            runs = c.runs.get(s, [])
+            capped = "*" if any(r.get("decode_tokens", a.tokens) < a.tokens for r in runs) else ""
+            vals.append(f"{c.decode(s):.1f}{capped}; {pre} (n={len(runs)})")
         out.append(f"| {ROWS[key].label} | " + " | ".join(vals) + " |")
     return out
 
@@ -518,6 +524,8 @@ def print_report(a: argparse.Namespace, rows: list[str], cells: dict, gbytes: di
     pre = " / ".join(str(n) for n in a.prefill_tokens)
     print(f"\nEvery setting: decode; prefill {pre} tok/s (medians)\n")
     print("\n".join(settings_lines(a, rows, cells)))
+    if any(r.get("decode_tokens", a.tokens) < a.tokens for c in cells.values() for v in c.runs.values() for r in v):
+        print(f"\n* some runs stopped decoding after --max-decode-s {a.max_decode_s:.0f} s (tok/s over the tokens done)")
 
 
 # --------------------------------------------------------------------------- the command line
@@ -544,6 +552,7 @@ def parse_args() -> argparse.Namespace:
     ll.add_argument("--vocab", type=int, default=0)
     ll.add_argument("--seed", type=int, default=0)
     ll.add_argument("--extra-bufts", type=int, default=1, help="llama.cpp's extra buffer types (repacking)")
+    ll.add_argument("--max-decode-s", type=float, default=60.0)
     p.add_argument("--work", default="/work/big/sbs", help="folder for the slice and conversions (outside the repo)")
     p.add_argument("--llama-src", default=f"/work/llama-src/llama_cpp_python-{LLAMA_VERSION}",
                    help="extracted llama-cpp-python sdist (holds vendor/llama.cpp)")
@@ -559,6 +568,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per cell")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of: {', '.join(ROWS)}")
+    p.add_argument("--max-decode-s", type=float, default=60.0,
+                   help="llama.cpp stops decoding after this long (at least 8 tokens): spinning OpenMP waits on a "
+                        "busy machine can take seconds per token")
+    p.add_argument("--cell-timeout", type=float, default=400.0, help="seconds before one process counts as failed")
     p.add_argument("--json-out", default="", help="write every raw measurement here")
     return p.parse_args()
 
