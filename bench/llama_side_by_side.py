@@ -284,6 +284,15 @@ def open_llama(args: argparse.Namespace):
                  n_ctx=longest + args.tokens + 16, n_batch=longest, use_mmap=True, verbose=False)
 
 
+def timed_prefill(llm, args: argparse.Namespace, n: int) -> float:
+    """tok/s of an n-token prompt from an empty context."""
+    llm.reset()
+    ids = random_prompt(args.vocab or llm.n_vocab(), n, args.seed)
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    return n / (time.perf_counter() - t0)
+
+
 def cmd_llama(args: argparse.Namespace) -> None:
     import llama_cpp
     import numpy as np
@@ -298,14 +307,9 @@ def cmd_llama(args: argparse.Namespace) -> None:
     ids = random_prompt(args.vocab or vocab, max([args.prompt_tokens] + args.prefill), args.seed)
     llm.eval(ids[:4])  # warm-up as tierlab's bench does: 4 prompt tokens and one decode step
     llm.eval([last_argmax()])
-    prefill = {}
-    for n in args.prefill:
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(random_prompt(args.vocab or vocab, n, args.seed))
-        prefill[str(n)] = n / (time.perf_counter() - t0)
-    llm.reset()
-    llm.eval(random_prompt(args.vocab or vocab, args.prompt_tokens, args.seed))
+    prefill = {str(n): timed_prefill(llm, args, n) for n in args.prefill if n != args.prompt_tokens}
+    # the decode's own prompt is timed too: a prefill length equal to it needs no run of its own
+    prefill[str(args.prompt_tokens)] = timed_prefill(llm, args, args.prompt_tokens)
     t0 = time.perf_counter()
     done = 0
     while done < args.tokens and (done < 8 or time.perf_counter() - t0 < args.max_decode_s):
@@ -389,9 +393,10 @@ def tierlab_bench(a: argparse.Namespace, s: Setting, model: Path, prompt: int, t
 
 
 def tierlab_cell(a: argparse.Namespace, s: Setting, model: Path) -> dict:
-    """Decode after a 16-token prompt in one process, each prefill length in one more."""
+    """Decode after --prompt-tokens in one process, each other prefill length in one more."""
     dec = tierlab_bench(a, s, model, a.prompt_tokens, a.tokens)
-    prefill = {str(n): tierlab_bench(a, s, model, n, 1)["prefill_tok_s"] for n in a.prefill_tokens}
+    prefill = {str(n): dec["prefill_tok_s"] if n == a.prompt_tokens else
+               tierlab_bench(a, s, model, n, 1)["prefill_tok_s"] for n in a.prefill_tokens}
     return {"decode_tok_s": dec["decode_tok_s"], "prefill_tok_s": prefill, "bandwidth_gbs": dec["bandwidth_gbs"],
             "bytes_per_token": dec["weight_bytes"]["total"], "ms_per_token": dec["ms_per_token"]}
 
@@ -563,7 +568,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--tokens", type=int, default=128, help="decode tokens")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt before the timed decode")
+    p.add_argument("--prompt-tokens", type=int, default=16,
+                   help="prompt before the timed decode (timed as prefill too when it is a --prefill-tokens length)")
     p.add_argument("--prefill-tokens", type=int, nargs="+", default=[128], help="timed prompt lengths")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per cell")
@@ -597,6 +603,9 @@ def main() -> None:
             if a.json_out:
                 raw = {k: {f"{s.engine}: {s.name}": v for s, v in c.runs.items()} for k, c in cells.items()}
                 Path(a.json_out).write_text(json.dumps(raw, indent=1))
+        if rnd + 1 < a.rounds:
+            print(f"\n## after round {rnd + 1} of {a.rounds}", flush=True)
+            print_report(a, rows, cells, gbytes, loads, started)
     print_report(a, rows, cells, gbytes, loads, started)
 
 
