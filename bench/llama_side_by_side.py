@@ -113,6 +113,7 @@ LLAMA_SETTINGS = [
 TIERLAB_SETTINGS = [
     Setting("tierlab", "default"),
     Setting("tierlab", "OMP ACTIVE, spin infinite", (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "infinite"))),
+    Setting("tierlab", "OMP PASSIVE", (("OMP_WAIT_POLICY", "PASSIVE"),)),
 ]
 
 
@@ -437,7 +438,7 @@ def measure_round(a: argparse.Namespace, rnd: int, key: str, paths: dict, cells:
     row = ROWS[key]
     tpath, gpath = paths[row.tierlab_model], paths[row.gguf]
     warm_files(tpath, gpath)
-    order = TIERLAB_SETTINGS[:1] + LLAMA_SETTINGS[:3] + TIERLAB_SETTINGS[1:] + LLAMA_SETTINGS[3:]
+    order = [s for pair in zip(LLAMA_SETTINGS, TIERLAB_SETTINGS + [None] * len(LLAMA_SETTINGS)) for s in pair if s]
     shift = rnd % len(order)
     for s in order[shift:] + order[:shift]:
         try:
