@@ -1,48 +1,58 @@
 #!/usr/bin/env python3
-"""tierlab next to llama.cpp (llama-cpp-python) on one synthetic Qwen3.6 slice.
+"""tierlab next to llama.cpp (llama-cpp-python), each at its default and at its best.
 
-Not part of tierlab and not run by CI: it needs llama-cpp-python built from
-source in its own venv, and that package's source tree (for the GGUF
-converter and gguf-py). Run it with that venv's python:
+Not part of tierlab, not run by CI, and no test depends on it: it needs
+llama-cpp-python built from source in a venv of its own, and that package's
+source tree (for the GGUF converter and gguf-py).
 
-    /work/llama-venv/bin/python bench/llama_side_by_side.py \
-        --work /work/sbs --llama-src /work/llama-src/llama_cpp_python-0.3.36
+Build llama.cpp (subcommand `build`, run with that venv's python):
 
-What it does:
+    python3 -m venv /work/llama-venv
+    /work/llama-venv/bin/python bench/llama_side_by_side.py build --venv /work/llama-venv
+    /work/llama-venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /work/llama-src
+    tar xzf /work/llama-src/llama_cpp_python-0.3.36.tar.gz -C /work/llama-src
+
+`build` runs `pip install llama-cpp-python==0.3.36` from source (native,
+OpenMP) plus gguf and numpy. Where the CPU lists AMX it adds
+`CFLAGS/CXXFLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`: the native
+build's AMX path dies with SIGILL on some VMs, and `GGML_AMX_*=OFF` alone
+does not remove it while `GGML_NATIVE=ON`; that build still repacks weights.
+`--amx` keeps AMX, `--dry-run` prints the command only.
+
+Run (the slice and every conversion are made on the first run, in --work):
+
+    /work/llama-venv/bin/python bench/llama_side_by_side.py --work /work/big/sbs \\
+        --tierlab-python .venv/bin/python --convert-python .venv/bin/python
+
+What a run does:
 
 1. `tierlab make-synthetic --arch qwen3_5_moe` (random bf16 weights at the
-   real per-layer shapes of Qwen3.6-35B-A3B), then `tierlab convert --bits 8`
-   and `--bits 4`;
-2. the same checkpoint to GGUF with llama.cpp's `convert_hf_to_gguf.py`,
-   at matching bits: the routed experts in BF16 / Q8_0 / Q4_0 and every other
-   matrix in BF16 (as tierlab's container keeps them), plus llama.cpp's own
-   all-quantised files (`--outtype q8_0`, and Q4_0 from `llama_model_quantize`)
-   as extra rows;
-3. decode tok/s of both engines in one interleaved run (tierlab, llama.cpp,
-   tierlab, llama.cpp, ...), same random prompt ids, same prompt and decode
-   lengths, greedy, 2 threads each; warm (files in the page cache), a
-   streaming regime (tierlab `--cache` well below the expert count, page
-   cache dropped before each run of either engine: rows stream-*), a cold
-   start with every slot (cold-*) and both engines inside one memory cgroup
-   smaller than the model, so that both must stream experts from disk
-   (squeeze-*; cgroup v1 memory controller, root);
-4. a markdown table: medians, ratio, each engine's share of the roofline
-   (memory bandwidth measured by `tierlab bench decode` in the same run,
-   divided into the weight bytes one token reads in that engine's own file).
+   real per-layer shapes of Qwen3.6-35B-A3B: hidden 2048, 4 layers = 3 Gated
+   DeltaNet + 1 gated attention, 64 experts x 512, top-8, vocab 32768), then
+   `tierlab convert` to int4 + dense int4, int8 + dense int8 and int4 experts;
+   the same checkpoint to GGUF with llama.cpp's `convert_hf_to_gguf.py`
+   (imported, not copied, in --convert-python, which needs torch): BF16,
+   Q8_0 everything, Q4_0 experts with the rest BF16, and Q4_0 everything
+   (`llama_model_quantize`, pure: every matrix Q4_0);
+2. per row, in fresh processes, interleaved (the order of the cells rotates
+   from round to round): llama.cpp under every OMP_WAIT_POLICY (unset =
+   libgomp's default, ACTIVE, PASSIVE) with weight repacking on
+   (`use_extra_bufts`, llama.cpp's default) and off; tierlab `bench decode`
+   (warm slots, its default thread pool) as shipped and with
+   `OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=infinite`;
+3. tables of medians: decode tok/s (a 16-token prompt, then 128 greedy
+   tokens) and prefill tok/s (--prefill-tokens), each engine at its default
+   and at its best setting of this run, the ratio at defaults and at best,
+   decode as a share of the roofline (the stream bandwidth `bench decode`
+   measures in the same runs, divided into the weight bytes one token reads
+   from that engine's own file), and every setting's medians.
 
 The converter's pre-tokenizer check does not know the synthetic tokenizer;
 it is patched at run time (the pre-tokenizer is reported as "qwen2", one
-dummy BPE merge is added, `--no-mtp`). Nothing of llama.cpp is copied here or
-edited on disk.
+dummy BPE merge is added, `--no-mtp`). Nothing of llama.cpp is edited on disk.
 
-llama.cpp runs with OMP_WAIT_POLICY=PASSIVE (as tierlab's own OpenMP layer):
-libgomp's spinning workers lose whole time slices on a busy machine
-(docs/benchmarks.md, "Side by side with llama.cpp"). A file whose run dies
-with SIGILL (the native build's AMX path, on 2-D Q8_0/Q4_0 matrices) is
-rerun with use_extra_bufts=false.
-
-Internal subcommands (run in a fresh process each): `_gguf` converts,
-`_llama` runs one llama.cpp decode measurement and prints one JSON line.
+Internal subcommands (each in a fresh process): `_gguf` converts, `_llama`
+runs one llama.cpp measurement and prints one JSON line.
 """
 
 from __future__ import annotations
@@ -50,32 +60,67 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import shlex
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
-DEFAULT_TIERLAB = REPO / ".venv" / "bin" / "tierlab"
+LLAMA_VERSION = "0.3.36"
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    tierlab_model: str
+    gguf: str
+
+
+ROWS = {
+    "int4-all": Row("int4 + dense int4 / Q4_0 everything", "int4-d4", "Q4_0-all"),
+    "int8-all": Row("int8 + dense int8 / Q8_0 everything", "int8-d8", "Q8_0-all"),
+    "bf16": Row("bf16 / BF16", "bf16", "BF16"),
+    "int4": Row("int4 experts, bf16 dense / Q4_0 experts, rest BF16", "int4", "Q4_0-experts"),
+}
+
+# tierlab containers: name -> (expert bits, dense bits or 0)
+CONTAINERS = {"int4-d4": (4, 4), "int8-d8": (8, 8), "int4": (4, 0)}
+# GGUFs from the converter: name -> (outtype of other matrices, expert type or "")
+GGUFS = {"BF16": ("bf16", ""), "Q8_0-all": ("q8_0", ""), "Q4_0-experts": ("bf16", "q4_0")}
+
+
+@dataclass(frozen=True)
+class Setting:
+    engine: str  # "tierlab" or "llama.cpp"
+    name: str
+    env: tuple = ()
+    repack: bool = True
+
+    def env_args(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.env]
+
+
+LLAMA_SETTINGS = [
+    Setting("llama.cpp", f"{wait or 'OMP default'}, repack {'on' if repack else 'off'}",
+            (("OMP_WAIT_POLICY", wait),) if wait else (), repack)
+    for wait in ("", "ACTIVE", "PASSIVE") for repack in (True, False)
+]
+TIERLAB_SETTINGS = [
+    Setting("tierlab", "default"),
+    Setting("tierlab", "OMP ACTIVE, spin infinite", (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "infinite"))),
+    Setting("tierlab", "OMP PASSIVE", (("OMP_WAIT_POLICY", "PASSIVE"),)),
+]
 
 
 # --------------------------------------------------------------------------- helpers
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def warm_files(*paths: Path) -> None:
@@ -89,39 +134,56 @@ def warm_files(*paths: Path) -> None:
                     pass
 
 
-def loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def random_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
-    # the same ids as `tierlab bench decode` (tierlab.app.lab.bench_decode.run_decode_bench)
+    """The ids `tierlab bench decode` feeds (app/lab/bench_decode.py)."""
     import numpy as np
 
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
 
 
+def cpu_line() -> str:
+    """CPU model, vCPUs and the vector extensions that matter to both engines."""
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    ext = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in flags]
+    return f"{model}, {os.cpu_count()} vCPUs, {' '.join(ext)}"
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------- build
+
+def cmd_build(args: argparse.Namespace) -> None:
+    """Build llama-cpp-python from source into --venv; without AMX where the CPU lists it."""
+    env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON")
+    if not args.amx and "amx_tile" in Path("/proc/cpuinfo").read_text():
+        env["CFLAGS"] = env["CXXFLAGS"] = NO_AMX_FLAGS
+    pip = Path(args.venv) / "bin" / "pip"
+    cmd = [str(pip), "install", "--no-cache-dir", "--no-binary", "llama-cpp-python",
+           f"llama-cpp-python=={LLAMA_VERSION}", "gguf", "numpy"]
+    shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in ("CMAKE_ARGS", "CFLAGS", "CXXFLAGS") if k in env)
+    print(f"{shown} {shlex.join(cmd)}")
+    if not args.dry_run:
+        subprocess.run(cmd, env=env, check=True)
+
+
 # --------------------------------------------------------------------------- GGUF conversion
 
-def _setup_llama_paths(llama_src: Path) -> Path:
+def setup_llama_paths(llama_src: Path) -> Path:
     vendor = llama_src / "vendor" / "llama.cpp"
     if not (vendor / "convert_hf_to_gguf.py").is_file():
-        raise SystemExit(f"{vendor}/convert_hf_to_gguf.py not found: pass --llama-src")
+        raise SystemExit(f"--llama-src: {vendor}/convert_hf_to_gguf.py not found")
     for p in (vendor / "gguf-py", vendor):
         if str(p) not in sys.path:
             sys.path.insert(0, str(p))
     return vendor
 
 
-def cmd_gguf(args: argparse.Namespace) -> None:
-    """Convert args.model to args.out; experts at args.experts_type, other matrices at args.outtype."""
-    _setup_llama_paths(Path(args.llama_src))
-    import gguf
-    import convert_hf_to_gguf as conv  # noqa: E402  (llama.cpp's converter, imported, not copied)
-
-    expert_qtype = None
-    if args.experts_type:
-        expert_qtype = getattr(gguf.GGMLQuantizationType, args.experts_type.upper())
-    real_get_model_class = conv.get_model_class
+def patched_model_class(real_get_model_class, gguf, expert_qtype):
+    """The converter's model class, told the synthetic tokenizer's pre-tokenizer and the expert type."""
 
     def get_model_class(name, mmproj=False):
         base = real_get_model_class(name, mmproj=mmproj)
@@ -134,8 +196,7 @@ def cmd_gguf(args: argparse.Namespace) -> None:
 
             def set_vocab(self):
                 super().set_vocab()
-                # the synthetic byte-level BPE has no merges, and llama.cpp refuses a BPE vocab without
-                # any: one harmless merge (we feed token ids, never text)
+                # llama.cpp refuses a BPE vocab without merges; ids are fed, never text
                 key = gguf.Keys.Tokenizer.MERGES
                 if not any(key in kv for kv in self.gguf_writer.kv_data):
                     self.gguf_writer.add_token_merges(["\u0120 \u0120"])
@@ -149,15 +210,24 @@ def cmd_gguf(args: argparse.Namespace) -> None:
         Patched.__qualname__ = base.__qualname__
         return Patched
 
-    conv.get_model_class = get_model_class
-    # --no-mtp: the synthetic slice has no multi-token-prediction block
+    return get_model_class
+
+
+def cmd_gguf(args: argparse.Namespace) -> None:
+    """Convert args.model to args.out: experts at args.experts_type, other matrices at args.outtype."""
+    setup_llama_paths(Path(args.llama_src))
+    import convert_hf_to_gguf as conv
+    import gguf
+
+    expert_qtype = getattr(gguf.GGMLQuantizationType, args.experts_type.upper()) if args.experts_type else None
+    conv.get_model_class = patched_model_class(conv.get_model_class, gguf, expert_qtype)
     sys.argv = ["convert_hf_to_gguf.py", str(args.model), "--outtype", args.outtype, "--outfile", str(args.out),
                 "--no-mtp"]
     conv.main()
 
 
 def quantize_q4_0(src: Path, dst: Path, threads: int) -> None:
-    """llama.cpp's own Q4_0 (llama_model_quantize, default mixture: output in Q6_K)."""
+    """llama.cpp's Q4_0 of every matrix (llama_model_quantize, pure), as tierlab's int4 + dense int4."""
     import ctypes
 
     import llama_cpp
@@ -165,46 +235,42 @@ def quantize_q4_0(src: Path, dst: Path, threads: int) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.pure = True
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise SystemExit(f"llama_model_quantize failed with {rc}")
 
 
-def gguf_bytes_per_token(path: Path) -> dict:
+def gguf_bytes_per_token(path: Path) -> int:
     """Weight bytes one decode token reads from a GGUF: experts at top_k/E, one embedding row, rest whole."""
     import gguf
 
     r = gguf.GGUFReader(str(path))
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
 
-    def field(key):
-        f = r.fields.get(f"{arch}.{key}")
-        return int(f.parts[-1][0]) if f is not None else None
+    def field_int(key):
+        return int(r.fields[f"{arch}.{key}"].parts[-1][0])
 
-    n_exp, top_k = field("expert_count"), field("expert_used_count")
-    dense = experts = lm_head = embd = 0
+    n_exp, top_k = field_int("expert_count"), field_int("expert_used_count")
+    total = 0
     for t in r.tensors:
         nb = int(t.n_bytes)
         if "_exps." in t.name:
-            experts += nb * top_k // n_exp
+            total += nb * top_k // n_exp
         elif t.name == "token_embd.weight":
-            embd = nb // int(t.shape[-1])  # one row (shape is ggml order: [n_embd, n_vocab])
-        elif t.name == "output.weight":
-            lm_head = nb
+            total += nb // int(t.shape[-1])  # one row (ggml order: [n_embd, n_vocab])
         else:
-            dense += nb
-    return {"dense": dense + embd, "experts": experts, "lm_head": lm_head,
-            "total": dense + embd + experts + lm_head, "file_bytes": path.stat().st_size}
+            total += nb
+    return total
 
 
 # --------------------------------------------------------------------------- one llama.cpp measurement
 
-def cmd_llama(args: argparse.Namespace) -> None:
+def open_llama(args: argparse.Namespace):
+    """A Llama with use_extra_bufts (repacking) as asked: not a constructor argument in 0.3.36."""
     import llama_cpp
-    import numpy as np
     from llama_cpp import Llama
 
-    # use_extra_bufts (weight repacking, AMX) is not a constructor argument of llama-cpp-python 0.3.36
     real_defaults = llama_cpp.llama_model_default_params
 
     def model_defaults():
@@ -214,148 +280,269 @@ def cmd_llama(args: argparse.Namespace) -> None:
 
     llama_cpp.llama_model_default_params = model_defaults
     llama_cpp.llama.llama_cpp.llama_model_default_params = model_defaults
-    n_ctx = args.prompt_tokens + args.tokens + 16
-    llm = Llama(model_path=str(args.gguf), n_threads=args.threads, n_threads_batch=args.threads,
-                n_ctx=n_ctx, n_batch=max(32, args.prompt_tokens), use_mmap=True, verbose=False)
+    longest = max([args.prompt_tokens] + args.prefill)
+    return Llama(model_path=str(args.gguf), n_threads=args.threads, n_threads_batch=args.threads,
+                 n_ctx=longest + args.tokens + 16, n_batch=longest, use_mmap=True, verbose=False)
+
+
+def timed_prefill(llm, args: argparse.Namespace, n: int) -> float:
+    """tok/s of an n-token prompt from an empty context."""
+    llm.reset()
+    ids = random_prompt(args.vocab or llm.n_vocab(), n, args.seed)
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    return n / (time.perf_counter() - t0)
+
+
+def cmd_llama(args: argparse.Namespace) -> None:
+    import llama_cpp
+    import numpy as np
+
+    llm = open_llama(args)
     vocab = llm.n_vocab()
 
     def last_argmax() -> int:
         ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(vocab,))))
 
-    prompt = random_prompt(args.vocab or vocab, args.prompt_tokens, args.seed)
-    # warm-up as tierlab's bench does: 4 prompt tokens and one decode step
-    llm.eval(prompt[:4])
+    ids = random_prompt(args.vocab or vocab, max([args.prompt_tokens] + args.prefill), args.seed)
+    llm.eval(ids[:4])  # warm-up as tierlab's bench does: 4 prompt tokens and one decode step
     llm.eval([last_argmax()])
-    llm.reset()
-    dropped = drop_page_cache() if args.cold else False
+    prefill = {str(n): timed_prefill(llm, args, n) for n in args.prefill if n != args.prompt_tokens}
+    # the decode's own prompt is timed too: a prefill length equal to it needs no run of its own
+    prefill[str(args.prompt_tokens)] = timed_prefill(llm, args, args.prompt_tokens)
     t0 = time.perf_counter()
-    llm.eval(prompt)
-    prefill_s = time.perf_counter() - t0
-    out = []
-    t0 = time.perf_counter()
-    for _ in range(args.tokens):
-        tok = last_argmax()
-        out.append(tok)
-        llm.eval([tok])
+    done = 0
+    while done < args.tokens and (done < 8 or time.perf_counter() - t0 < args.max_decode_s):
+        llm.eval([last_argmax()])
+        done += 1
     decode_s = time.perf_counter() - t0
-    import resource
-
-    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-                      "prefill_tok_s": args.prompt_tokens / prefill_s, "decode_tok_s": args.tokens / decode_s,
-                      "cold": dropped, "extra_bufts": bool(llm.model_params.use_extra_bufts),
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "tokens": out[:8]}))
+    print(json.dumps({"decode_tok_s": done / decode_s, "decode_tokens": done, "prefill_tok_s": prefill,
+                      "extra_bufts": bool(llm.model_params.use_extra_bufts),
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}))
 
 
-# --------------------------------------------------------------------------- the run
+# --------------------------------------------------------------------------- preparing the files
 
-def run_json(cmd: list[str], timeout: float = 900) -> dict:
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+def tierlab_cmd(a: argparse.Namespace, *args: str) -> list[str]:
+    """This checkout's tierlab CLI in --tierlab-python."""
+    return ["env", f"PYTHONPATH={REPO.parent}", a.tierlab_python, "-m", "tierlab", *args]
 
 
-CGROUP = Path("/sys/fs/cgroup/memory/tierlab-sbs")
-
-
-def cgroup_prefix(limit_mib: int) -> list[str]:
-    """A memory cgroup (v1) holding both engines in the squeezed rows: anonymous memory and page cache
-    together may not exceed limit_mib, so a model larger than that streams from disk in either engine."""
-    if not limit_mib:
-        return []
-    CGROUP.mkdir(exist_ok=True)
-    (CGROUP / "memory.limit_in_bytes").write_text(str(limit_mib << 20))
-    return ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "sh"]
-
-
-def tierlab_run(a, model: Path, cache: int | None, cold: bool, prompt_tokens: int, prefix=()) -> dict:
-    cmd = [a.tierlab, "bench", "decode", "--model", str(model), "--tokens", str(a.tokens),
-           "--prompt-tokens", str(prompt_tokens), "--json"]
-    if cache:
-        cmd += ["--cache", str(cache)]
-    # empty RAM slots, as the tables in docs/benchmarks.md were measured
-    cmd += ["--cold"]
-    if cold:
-        cmd += ["--drop-page-cache"]
-    env_cmd = list(prefix) + ["env", f"NUMBA_NUM_THREADS={a.threads}"] + cmd
-    return run_json(env_cmd)
-
-
-def llama_run(a, gguf_path: Path, cold: bool, vocab: int, prompt_tokens: int, prefix=()) -> dict:
-    # OpenMP workers that spin (libgomp's default) lose whole time slices at every graph barrier on a
-    # busy machine (docs/benchmarks.md, "Side by side with llama.cpp"); tierlab sets PASSIVE for its
-    # own OpenMP layer, so llama.cpp gets the same.
-    env = ["env", f"OMP_WAIT_POLICY={a.llama_omp_wait}"] if a.llama_omp_wait else []
-    cmd = list(prefix) + env + [sys.executable, str(HERE), "_llama", "--gguf", str(gguf_path), "--tokens", str(a.tokens),
-                 "--prompt-tokens", str(prompt_tokens), "--threads", str(a.threads), "--vocab", str(vocab)]
-    if cold:
-        # weights stay mmapped (no repacked copy in anonymous memory), so the page-cache drop matters
-        cmd += ["--cold", "--extra-bufts", "0"]
-    try:
-        return run_json(cmd)
-    except RuntimeError as exc:
-        # the native build's AMX path can die with SIGILL: rerun without extra buffers
-        if "--extra-bufts" in cmd or "(-4)" not in str(exc):
-            raise
-        log("llama.cpp died with SIGILL; rerunning with use_extra_bufts=0")
-        res = run_json(cmd + ["--extra-bufts", "0"])
-        res["sigill_retry"] = True
-        return res
-
-
-def prepare(a) -> dict:
-    work = Path(a.work)
-    work.mkdir(parents=True, exist_ok=True)
+def make_slice(a: argparse.Namespace, work: Path) -> Path:
     bf16 = work / "bf16"
     if not (bf16 / "config.json").is_file():
-        log(f"make-synthetic {a.layers} layers x {a.experts} experts -> {bf16}")
-        subprocess.run([a.tierlab, "make-synthetic", "--arch", "qwen3_5_moe", "--layers", str(a.layers),
-                        "--experts", str(a.experts), "--out", str(bf16)], check=True)
+        log(f"make-synthetic {a.layers} layers x {a.experts} experts, vocab {a.vocab} -> {bf16}")
+        subprocess.run(tierlab_cmd(a, "make-synthetic", "--arch", "qwen3_5_moe", "--layers", str(a.layers),
+                                   "--experts", str(a.experts), "--vocab", str(a.vocab), "--out", str(bf16)),
+                       check=True)
+    return bf16
+
+
+def make_container(a: argparse.Namespace, bf16: Path, out: Path, bits: int, dense_bits: int) -> None:
+    if (out / "tierlab_container.json").is_file():
+        return
+    log(f"tierlab convert --bits {bits} --dense-bits {dense_bits or '-'} -> {out}")
+    extra = ["--dense-bits", str(dense_bits)] if dense_bits else []
+    subprocess.run(tierlab_cmd(a, "convert", "--model", str(bf16), "--out", str(out), "--bits", str(bits), *extra),
+                   check=True)
+
+
+def make_gguf(a: argparse.Namespace, bf16: Path, out: Path, outtype: str, etype: str) -> None:
+    if out.is_file():
+        return
+    log(f"convert_hf_to_gguf -> {out.name}")
+    tmp = out.with_suffix(".partial")
+    cmd = [a.convert_python, str(HERE), "_gguf", "--llama-src", a.llama_src, "--model", str(bf16),
+           "--out", str(tmp), "--outtype", outtype] + (["--experts-type", etype] if etype else [])
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    tmp.rename(out)
+
+
+def prepare(a: argparse.Namespace) -> dict[str, Path]:
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    bf16 = make_slice(a, work)
     paths = {"bf16": bf16}
-    for bits, dense_bits in ((8, 0), (4, 0), (8, 8), (4, 4)):
-        # int8 / int4: experts only (dense bf16, as the "experts" GGUFs); int8-d8 / int4-d4:
-        # the dense projections quantised too (as llama.cpp's all-quantised files)
-        name = f"int{bits}" + (f"-d{dense_bits}" if dense_bits else "")
-        out = work / name
-        if not (out / "tierlab_container.json").is_file():
-            log(f"tierlab convert --bits {bits} --dense-bits {dense_bits or '-'}")
-            subprocess.run([a.tierlab, "convert", "--model", str(bf16), "--out", str(out), "--bits", str(bits)]
-                           + (["--dense-bits", str(dense_bits)] if dense_bits else []), check=True)
-        paths[name] = out
-    ggufs = {
-        # name: (outtype for non-expert matrices, expert type or "")
-        "BF16": ("bf16", ""),
-        "Q8_0-experts": ("bf16", "q8_0"),
-        "Q4_0-experts": ("bf16", "q4_0"),
-        "Q8_0-all": ("q8_0", ""),
-    }
-    for name, (outtype, etype) in ggufs.items():
-        out = work / f"slice-{name}.gguf"
-        if not out.is_file():
-            log(f"convert_hf_to_gguf -> {out.name}")
-            tmp = out.with_suffix(".partial")
-            cmd = [sys.executable, str(HERE), "_gguf", "--llama-src", a.llama_src, "--model", str(bf16),
-                   "--out", str(tmp), "--outtype", outtype] + (["--experts-type", etype] if etype else [])
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            tmp.rename(out)
-        paths[name] = out
-    q4 = work / "slice-Q4_0-all.gguf"
+    for name, (bits, dense_bits) in CONTAINERS.items():
+        paths[name] = work / name
+        make_container(a, bf16, paths[name], bits, dense_bits)
+    for name, (outtype, etype) in GGUFS.items():
+        paths[name] = work / f"slice-{name}.gguf"
+        make_gguf(a, bf16, paths[name], outtype, etype)
+    q4 = paths["Q4_0-all"] = work / "slice-Q4_0-all.gguf"
     if not q4.is_file():
-        log("llama_model_quantize BF16 -> Q4_0")
+        log("llama_model_quantize BF16 -> Q4_0 (pure)")
         quantize_q4_0(paths["BF16"], q4.with_suffix(".partial"), a.threads)
         q4.with_suffix(".partial").rename(q4)
-    paths["Q4_0-all"] = q4
     return paths
 
 
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
+# --------------------------------------------------------------------------- the cells
+
+def run_json(cmd: list[str], timeout: float) -> dict:
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def tierlab_bench(a: argparse.Namespace, s: Setting, model: Path, prompt: int, tokens: int) -> dict:
+    cmd = tierlab_cmd(a, "bench", "decode", "--model", str(model), "--tokens", str(tokens),
+                      "--prompt-tokens", str(prompt), "--json")
+    return run_json(["env", f"NUMBA_NUM_THREADS={a.threads}", *s.env_args(), *cmd], a.cell_timeout)
+
+
+def tierlab_cell(a: argparse.Namespace, s: Setting, model: Path) -> dict:
+    """Decode after --prompt-tokens in one process, each other prefill length in one more."""
+    dec = tierlab_bench(a, s, model, a.prompt_tokens, a.tokens)
+    prefill = {str(n): dec["prefill_tok_s"] if n == a.prompt_tokens else
+               tierlab_bench(a, s, model, n, 1)["prefill_tok_s"] for n in a.prefill_tokens}
+    return {"decode_tok_s": dec["decode_tok_s"], "prefill_tok_s": prefill, "bandwidth_gbs": dec["bandwidth_gbs"],
+            "bytes_per_token": dec["weight_bytes"]["total"], "ms_per_token": dec["ms_per_token"]}
+
+
+def llama_cell(a: argparse.Namespace, s: Setting, gguf_path: Path) -> dict:
+    cmd = [sys.executable, str(HERE), "_llama", "--gguf", str(gguf_path), "--tokens", str(a.tokens),
+           "--prompt-tokens", str(a.prompt_tokens), "--threads", str(a.threads), "--vocab", str(a.vocab),
+           "--extra-bufts", str(int(s.repack)), "--max-decode-s", str(a.max_decode_s),
+           "--prefill", *map(str, a.prefill_tokens)]
+    # "env -u" so that a wait policy set in the caller's shell does not leak into the default cells
+    return run_json(["env", "-u", "OMP_WAIT_POLICY", "-u", "GOMP_SPINCOUNT", *s.env_args(), *cmd], a.cell_timeout)
+
+
+@dataclass
+class Cells:
+    """Every measurement of one row, by setting."""
+    row: str
+    runs: dict = field(default_factory=dict)  # Setting -> list of result dicts
+
+    def add(self, s: Setting, res: dict) -> None:
+        self.runs.setdefault(s, []).append(res)
+
+    def decode(self, s: Setting) -> float:
+        return med([r["decode_tok_s"] for r in self.runs.get(s, [])])
+
+    def prefill(self, s: Setting, n: int) -> float:
+        return med([r["prefill_tok_s"][str(n)] for r in self.runs.get(s, [])])
+
+    def best(self, settings: list[Setting], metric) -> Setting:
+        have = [s for s in settings if self.runs.get(s)]
+        return max(have, key=metric) if have else settings[0]
+
+    def tierlab_runs(self) -> list[dict]:
+        return [r for s in TIERLAB_SETTINGS for r in self.runs.get(s, [])]
+
+
+def measure_round(a: argparse.Namespace, rnd: int, key: str, paths: dict, cells: Cells) -> None:
+    row = ROWS[key]
+    tpath, gpath = paths[row.tierlab_model], paths[row.gguf]
+    warm_files(tpath, gpath)
+    order = [s for pair in zip(LLAMA_SETTINGS, TIERLAB_SETTINGS + [None] * len(LLAMA_SETTINGS)) for s in pair if s]
+    shift = rnd % len(order)
+    for s in order[shift:] + order[:shift]:
+        try:
+            res = tierlab_cell(a, s, tpath) if s.engine == "tierlab" else llama_cell(a, s, gpath)
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+            log(f"{key} #{rnd} {s.engine} [{s.name}] failed: {str(exc)[-300:]}")
+            continue
+        cells.add(s, res)
+        pre = " ".join(f"{n}: {v:.0f}" for n, v in res["prefill_tok_s"].items())
+        short = f" ({res['decode_tokens']} tokens)" if res.get("decode_tokens", a.tokens) < a.tokens else ""
+        log(f"{key} #{rnd} {s.engine} [{s.name}] decode {res['decode_tok_s']:.2f} tok/s{short}, prefill {pre}; "
+            f"load {os.getloadavg()[0]:.2f}")
+
+
+# --------------------------------------------------------------------------- the tables
+
+def share(tok_s: float, nbytes: int, bw: float) -> str:
+    return f"{100 * tok_s * nbytes / (bw * 1e9):.0f}%"
+
+
+def decode_line(row: Row, c: Cells, gguf_bytes: int) -> str:
+    tr = c.tierlab_runs()
+    if not tr or not any(c.runs.get(s) for s in LLAMA_SETTINGS):
+        return f"| {row.label} | (no complete measurement) ||||||"
+    bw, tb = med([r["bandwidth_gbs"] for r in tr]), tr[0]["bytes_per_token"]
+    ld, td = LLAMA_SETTINGS[0], TIERLAB_SETTINGS[0]
+    lb, tbest = c.best(LLAMA_SETTINGS, c.decode), c.best(TIERLAB_SETTINGS, c.decode)
+    return (f"| {row.label} | {c.decode(ld):.1f} ({share(c.decode(ld), gguf_bytes, bw)}) "
+            f"| {c.decode(lb):.1f} ({share(c.decode(lb), gguf_bytes, bw)}; {lb.name}) "
+            f"| {c.decode(td):.1f} ({share(c.decode(td), tb, bw)}) "
+            f"| {c.decode(tbest):.1f} ({share(c.decode(tbest), tb, bw)}; {tbest.name}) "
+            f"| **{c.decode(td) / c.decode(ld):.2f}x** | **{c.decode(tbest) / c.decode(lb):.2f}x** "
+            f"| {tb / 2**20:.0f} / {gguf_bytes / 2**20:.0f} | {bw:.1f} |")
+
+
+def prefill_line(row: Row, c: Cells, n: int) -> str:
+    if not c.tierlab_runs() or not any(c.runs.get(s) for s in LLAMA_SETTINGS):
+        return f"| {row.label} | (no complete measurement) |||||"
+    ld, td = LLAMA_SETTINGS[0], TIERLAB_SETTINGS[0]
+    lb = c.best(LLAMA_SETTINGS, lambda s: c.prefill(s, n))
+    tbest = c.best(TIERLAB_SETTINGS, lambda s: c.prefill(s, n))
+    return (f"| {row.label} | {c.prefill(ld, n):.0f} | {c.prefill(lb, n):.0f} ({lb.name}) | {c.prefill(td, n):.0f} "
+            f"| {c.prefill(tbest, n):.0f} ({tbest.name}) | **{c.prefill(td, n) / c.prefill(ld, n):.2f}x** "
+            f"| **{c.prefill(tbest, n) / c.prefill(lb, n):.2f}x** |")
+
+
+def settings_lines(a: argparse.Namespace, rows: list[str], cells: dict) -> list[str]:
+    """Every setting's medians, decode and prefill, with the number of runs behind them."""
+    settings = TIERLAB_SETTINGS + LLAMA_SETTINGS
+    cols = [f"{s.engine}: {s.name}" for s in settings]
+    out = ["| row | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for key in rows:
+        c = cells[key]
+        vals = []
+        for s in settings:
+            pre = " / ".join(f"{c.prefill(s, n):.0f}" for n in a.prefill_tokens)
+            runs = c.runs.get(s, [])
+            capped = "*" if any(r.get("decode_tokens", a.tokens) < a.tokens for r in runs) else ""
+            vals.append(f"{c.decode(s):.1f}{capped}; {pre} (n={len(runs)})")
+        out.append(f"| {ROWS[key].label} | " + " | ".join(vals) + " |")
+    return out
+
+
+def print_report(a: argparse.Namespace, rows: list[str], cells: dict, gbytes: dict, loads: list, started: str) -> None:
+    import llama_cpp
+
+    bws = [r["bandwidth_gbs"] for key in rows for r in cells[key].tierlab_runs()]
+    print(f"\n{started} to {time.strftime('%H:%M UTC', time.gmtime())}; {cpu_line()}; llama-cpp-python "
+          f"{llama_cpp.__version__}; {a.threads} threads each; 1-min load average {min(loads):.2f}-{max(loads):.2f}; "
+          f"stream bandwidth {min(bws, default=0):.1f}-{max(bws, default=0):.1f} GB/s")
+    print(f"command: {shlex.join([sys.executable] + sys.argv)}")
+    print(f"slice: {a.layers} layers x {a.experts} experts, vocab {a.vocab}; {a.rounds} rounds of fresh "
+          f"processes per cell, interleaved; medians. llama.cpp settings tried: "
+          + "; ".join(s.name for s in LLAMA_SETTINGS) + ". tierlab settings tried: "
+          + "; ".join(s.name for s in TIERLAB_SETTINGS) + ".\n")
+    print(f"Decode tok/s ({a.prompt_tokens}-token prompt, {a.tokens} greedy tokens; % of roofline)\n")
+    print("| row | llama.cpp default | llama.cpp best | tierlab default | tierlab best | defaults ratio "
+          "| best ratio | MiB/token tierlab / llama.cpp | bandwidth GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key in rows:
+        print(decode_line(ROWS[key], cells[key], gbytes[key]))
+    for n in a.prefill_tokens:
+        print(f"\nPrefill tok/s ({n}-token prompt)\n")
+        print("| row | llama.cpp default | llama.cpp best | tierlab default | tierlab best | defaults ratio "
+              "| best ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for key in rows:
+            print(prefill_line(ROWS[key], cells[key], n))
+    pre = " / ".join(str(n) for n in a.prefill_tokens)
+    print(f"\nEvery setting: decode; prefill {pre} tok/s (medians)\n")
+    print("\n".join(settings_lines(a, rows, cells)))
+    if any(r.get("decode_tokens", a.tokens) < a.tokens for c in cells.values() for v in c.runs.values() for r in v):
+        print(f"\n* some runs stopped decoding after --max-decode-s {a.max_decode_s:.0f} s (tok/s over the tokens done)")
+
+
+# --------------------------------------------------------------------------- the command line
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd")
+    b = sub.add_parser("build", help="build llama-cpp-python from source (without AMX where the CPU lists it)")
+    b.add_argument("--venv", required=True)
+    b.add_argument("--amx", action="store_true", help="keep AMX in a native build")
+    b.add_argument("--dry-run", action="store_true", help="print the command only")
     g = sub.add_parser("_gguf")
     g.add_argument("--llama-src", required=True)
     g.add_argument("--model", required=True)
@@ -364,139 +551,63 @@ def main() -> None:
     g.add_argument("--experts-type", default="")
     ll = sub.add_parser("_llama")
     ll.add_argument("--gguf", required=True)
-    ll.add_argument("--tokens", type=int, default=32)
-    ll.add_argument("--prompt-tokens", type=int, default=32)
+    ll.add_argument("--tokens", type=int, default=128)
+    ll.add_argument("--prompt-tokens", type=int, default=16)
+    ll.add_argument("--prefill", type=int, nargs="*", default=[])
     ll.add_argument("--threads", type=int, default=2)
     ll.add_argument("--vocab", type=int, default=0)
     ll.add_argument("--seed", type=int, default=0)
-    ll.add_argument("--cold", action="store_true")
-    ll.add_argument("--extra-bufts", type=int, default=1, help="llama.cpp's extra buffer types (repack, AMX)")
-    p.add_argument("--work", default="/work/sbs", help="folder for the slice and its conversions (outside the repo)")
-    p.add_argument("--llama-src", default="/work/llama-src/llama_cpp_python-0.3.36",
+    ll.add_argument("--extra-bufts", type=int, default=1, help="llama.cpp's extra buffer types (repacking)")
+    ll.add_argument("--max-decode-s", type=float, default=60.0)
+    p.add_argument("--work", default="/work/big/sbs", help="folder for the slice and conversions (outside the repo)")
+    p.add_argument("--llama-src", default=f"/work/llama-src/llama_cpp_python-{LLAMA_VERSION}",
                    help="extracted llama-cpp-python sdist (holds vendor/llama.cpp)")
-    p.add_argument("--tierlab", default=str(DEFAULT_TIERLAB))
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tierlab-python", default=str(REPO / ".venv" / "bin" / "python"),
+                   help="a python with tierlab's dependencies; runs this checkout's tierlab")
+    p.add_argument("--convert-python", default=sys.executable, help="a python with torch, for convert_hf_to_gguf")
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--tokens", type=int, default=128, help="decode tokens")
+    p.add_argument("--prompt-tokens", type=int, default=16,
+                   help="prompt before the timed decode (timed as prefill too when it is a --prefill-tokens length)")
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=[128], help="timed prompt lengths")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--stream-cache", type=int, default=8, help="tierlab --cache in the streaming rows")
-    p.add_argument("--stream-prompt-tokens", type=int, default=4,
-                   help="prompt length in the streaming rows (short, so that decode itself meets the cold experts)")
-    p.add_argument("--rows", default="bf16,int8,int4,int8-all,int4-all,stream-int4,stream-bf16",
-                   help="comma list of rows to run")
-    p.add_argument("--mem-limit-mib", type=int, default=1280,
-                   help="memory cgroup limit (anonymous + page cache) in the squeeze-* rows")
-    p.add_argument("--squeeze-cache", type=int, default=16, help="tierlab --cache in the squeeze-* rows")
+    p.add_argument("--rounds", type=int, default=3, help="fresh processes per cell")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of: {', '.join(ROWS)}")
+    p.add_argument("--max-decode-s", type=float, default=60.0,
+                   help="llama.cpp stops decoding after this long (at least 8 tokens): spinning OpenMP waits on a "
+                        "busy machine can take seconds per token")
+    p.add_argument("--cell-timeout", type=float, default=400.0, help="seconds before one process counts as failed")
     p.add_argument("--json-out", default="", help="write every raw measurement here")
-    p.add_argument("--llama-omp-wait", default="PASSIVE", help="OMP_WAIT_POLICY for llama.cpp ('' = libgomp default)")
-    a = p.parse_args()
-    if a.cmd == "_gguf":
-        return cmd_gguf(a)
-    if a.cmd == "_llama":
-        return cmd_llama(a)
+    return p.parse_args()
 
-    _setup_llama_paths(Path(a.llama_src))
-    import llama_cpp
 
-    paths = prepare(a)
-    vocab = json.loads((paths["bf16"] / "config.json").read_text())["vocab_size"]
-    # row: (label, tierlab model, gguf, tierlab cache, cold)
-    spec = {
-        "bf16": ("bf16 / BF16", "bf16", "BF16", None, False),
-        "int8": ("int8 / Q8_0 experts", "int8", "Q8_0-experts", None, False),
-        "int4": ("int4 / Q4_0 experts", "int4", "Q4_0-experts", None, False),
-        "int8-all": ("int8 + dense int8 / Q8_0 everything", "int8-d8", "Q8_0-all", None, False),
-        "int4-all": ("int4 + dense int4 / Q4_0 everything", "int4-d4", "Q4_0-all", None, False),
-        # the container without --dense-bits against the all-quantised files (unequal bits: tierlab
-        # reads its dense weights in bf16)
-        "int8-all-experts-only": ("int8 / Q8_0 everything", "int8", "Q8_0-all", None, False),
-        "int4-all-experts-only": ("int4 / Q4_0 everything", "int4", "Q4_0-all", None, False),
-        "stream-int4": (f"streaming int4 / Q4_0 experts, cache {a.stream_cache}/{a.experts}, cold",
-                        "int4", "Q4_0-experts", a.stream_cache, True),
-        "stream-bf16": (f"streaming bf16 / BF16, cache {a.stream_cache}/{a.experts}, cold",
-                        "bf16", "BF16", a.stream_cache, True),
-        "stream-int8": (f"streaming int8 / Q8_0 experts, cache {a.stream_cache}/{a.experts}, cold",
-                        "int8", "Q8_0-experts", a.stream_cache, True),
-        # page cache dropped, but tierlab's RAM cache holds every expert, as llama.cpp's mapping does
-        "cold-int4": (f"cold int4 / Q4_0 experts, cache {a.experts}/{a.experts}", "int4", "Q4_0-experts", None, True),
-        "cold-bf16": (f"cold bf16 / BF16, cache {a.experts}/{a.experts}", "bf16", "BF16", None, True),
-        # both engines in one memory cgroup smaller than the model: experts really stream from disk
-        "squeeze-int4": (f"squeezed int4 / Q4_0 experts, {a.mem_limit_mib} MiB cgroup, cache "
-                         f"{a.squeeze_cache}/{a.experts}, cold", "int4", "Q4_0-experts", a.squeeze_cache, True, True),
-        "squeeze-int8": (f"squeezed int8 / Q8_0 experts, {a.mem_limit_mib} MiB cgroup, cache "
-                         f"{a.squeeze_cache}/{a.experts}, cold", "int8", "Q8_0-experts", a.squeeze_cache, True, True),
-        "squeeze-int4-all": (f"squeezed int4 + dense int4 / Q4_0 everything, {a.mem_limit_mib} MiB cgroup, cache "
-                             f"{a.squeeze_cache}/{a.experts}, cold", "int4-d4", "Q4_0-all", a.squeeze_cache, True, True),
-    }
+def main() -> None:
+    a = parse_args()
+    if a.cmd:
+        return {"build": cmd_build, "_gguf": cmd_gguf, "_llama": cmd_llama}[a.cmd](a)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
-    log(f"llama-cpp-python {llama_cpp.__version__}; load {loadavg()}")
-    raw = []
-    table = []
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {', '.join(unknown)} (known: {', '.join(ROWS)})")
+    setup_llama_paths(Path(a.llama_src))
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    paths = prepare(a)
+    gbytes = {key: gguf_bytes_per_token(paths[ROWS[key].gguf]) for key in rows}
+    cells = {key: Cells(key) for key in rows}
     loads = [os.getloadavg()[0]]
-    for key in rows:
-        label, tmodel, gname, cache, cold, *squeeze = spec[key]
-        tpath, gpath = paths[tmodel], paths[gname]
-        prefix = cgroup_prefix(a.mem_limit_mib) if squeeze else []
-        bpt = gguf_bytes_per_token(gpath)
-        if not cold:
-            warm_files(tpath, gpath)
-        ts, ls = [], []
-        for rep in range(a.repeats):
-            npr = a.stream_prompt_tokens if cold else a.prompt_tokens
-            t = tierlab_run(a, tpath, cache, cold, npr, prefix)
-            ts.append(t)
-            log(f"{key} #{rep} tierlab {t['decode_tok_s']:.2f} tok/s (bw {t['bandwidth_gbs']:.1f} GB/s) load {loadavg()}")
-            lres = llama_run(a, gpath, cold, vocab, npr, prefix)
-            ls.append(lres)
-            log(f"{key} #{rep} llama.cpp {lres['decode_tok_s']:.2f} tok/s load {loadavg()}")
+    for rnd in range(a.rounds):
+        for key in rows:
+            measure_round(a, rnd, key, paths, cells[key])
             loads.append(os.getloadavg()[0])
-        bw = med([t["bandwidth_gbs"] for t in ts])
-        t_dec, l_dec = med([t["decode_tok_s"] for t in ts]), med([x["decode_tok_s"] for x in ls])
-        t_pre, l_pre = med([t["prefill_tok_s"] for t in ts]), med([x["prefill_tok_s"] for x in ls])
-        t_bytes = ts[0]["weight_bytes"]["total"]
-        row = {
-            "row": key, "label": label, "tierlab_decode": t_dec, "llama_decode": l_dec, "ratio": t_dec / l_dec,
-            "pair_ratio": med([t["decode_tok_s"] / x["decode_tok_s"] for t, x in zip(ts, ls)]),
-            "tierlab_prefill": t_pre, "llama_prefill": l_pre, "bandwidth_gbs": bw,
-            "tierlab_mib_per_token": t_bytes / 2**20, "llama_mib_per_token": bpt["total"] / 2**20,
-            "tierlab_roofline_share": t_dec * t_bytes / (bw * 1e9),
-            "llama_roofline_share": l_dec * bpt["total"] / (bw * 1e9),
-            "tierlab_ms_per_token": {k: med([t["ms_per_token"][k] for t in ts]) for k in ts[0]["ms_per_token"]},
-            "tierlab_ram_hit": med([t["ram_hit"] for t in ts]),
-            "tierlab_disk_mib_per_token": med([t["disk_mb_per_token"] for t in ts]),
-            "tierlab_all": [t["decode_tok_s"] for t in ts], "llama_all": [x["decode_tok_s"] for x in ls],
-        }
-        table.append(row)
-        raw.append({"row": key, "tierlab": ts, "llama": ls, "gguf_bytes": bpt})
-        if a.json_out:
-            Path(a.json_out).write_text(json.dumps({"rows": table, "raw": raw}, indent=1))
-
-    print(f"\nllama-cpp-python {llama_cpp.__version__}, {a.threads} threads each; slice {a.layers} layers x "
-          f"{a.experts} experts; prompt {a.prompt_tokens} (streaming/cold rows: {a.stream_prompt_tokens}), decode "
-          f"{a.tokens} tokens; {a.repeats} interleaved "
-          f"repeats, medians; 1-min load average {min(loads):.1f}-{max(loads):.1f}\n")
-    print("| tierlab / llama.cpp | tierlab tok/s | llama.cpp tok/s | ratio (of medians; median of pairs) "
-          "| tierlab MiB/tok, roofline share "
-          "| llama.cpp MiB/tok, roofline share | prefill tok/s tierlab / llama.cpp | bandwidth GB/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in table:
-        print(f"| {r['label']} | {r['tierlab_decode']:.2f} | {r['llama_decode']:.2f} | {r['ratio']:.2f}x; "
-              f"{r['pair_ratio']:.2f}x "
-              f"| {r['tierlab_mib_per_token']:.0f}, {100 * r['tierlab_roofline_share']:.0f}% "
-              f"| {r['llama_mib_per_token']:.0f}, {100 * r['llama_roofline_share']:.0f}% "
-              f"| {r['tierlab_prefill']:.1f} / {r['llama_prefill']:.1f} | {r['bandwidth_gbs']:.1f} |")
-    if CGROUP.is_dir():
-        try:
-            CGROUP.rmdir()  # empty once the runs have exited
-        except OSError:
-            pass
-    print("\ntierlab ms/token per phase (medians):")
-    for r in table:
-        ms = r["tierlab_ms_per_token"]
-        print(f"- {r['label']}: " + " ".join(f"{k} {v:.1f}" for k, v in ms.items() if v >= 0.05)
-              + f" | RAM hit {r['tierlab_ram_hit']:.0f}%, disk {r['tierlab_disk_mib_per_token']:.1f} MiB/token")
+            if a.json_out:
+                raw = {k: {f"{s.engine}: {s.name}": v for s, v in c.runs.items()} for k, c in cells.items()}
+                Path(a.json_out).write_text(json.dumps(raw, indent=1))
+        if rnd + 1 < a.rounds:
+            print(f"\n## after round {rnd + 1} of {a.rounds}", flush=True)
+            print_report(a, rows, cells, gbytes, loads, started)
+    print_report(a, rows, cells, gbytes, loads, started)
 
 
 if __name__ == "__main__":
