@@ -119,7 +119,7 @@ def encode(arr: np.ndarray, qtype: QT) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
 
 
-def plan_tensors(shape: SyntheticShape, seed: int, dense_type: QT) -> Plan:
+def plan_tensors(shape: SyntheticShape, seed: int, dense_type: QT, expert_type: QT = QT.Q4_0) -> Plan:
     """Every tensor of the GGUF, each with a function that draws and converts it when written."""
     by_name = {t.name: t for t in dense_tensors(shape)}
     kh, vh, kd, vd = shape.lin_k_heads, shape.lin_v_heads, shape.lin_k_dim, shape.lin_v_dim
@@ -187,28 +187,30 @@ def plan_tensors(shape: SyntheticShape, seed: int, dense_type: QT) -> Plan:
             vector(name(T.FFN_GATE_INP_SHEXP, i), p + "mlp.shared_expert_gate.weight")
         for which, tensor in enumerate((T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP)):
             rows, cols = expert_tensors(shape, i, 0)[which].shape
-            plan.add(name(tensor, i), (shape.experts, rows, cols), QT.Q4_0,
-                     lambda i=i, which=which: expert_stack(shape, seed, i, which))
+            plan.add(name(tensor, i), (shape.experts, rows, cols), expert_type,
+                     lambda i=i, which=which: expert_stack(shape, seed, i, which, expert_type))
     matrix(name(T.TOKEN_EMBD), P + "embed_tokens.weight")
     vector(name(T.OUTPUT_NORM), P + "norm.weight", plus_one)
     matrix(name(T.OUTPUT), "lm_head.weight")
     return plan
 
 
-def expert_stack(shape: SyntheticShape, seed: int, layer: int, which: int) -> np.ndarray:
-    """One layer's gate, up or down matrices of every expert, Q4_0, drawn and quantised one expert at a time."""
-    first = expert_tensors(shape, layer, 0)[which]
-    rows, cols = first.shape
-    block, size = gguf.GGML_QUANT_SIZES[QT.Q4_0]
+def expert_stack(shape: SyntheticShape, seed: int, layer: int, which: int, qtype: QT = QT.Q4_0) -> np.ndarray:
+    """One layer's gate, up or down matrices of every expert, drawn and quantised one expert at a time."""
+    rows, cols = expert_tensors(shape, layer, 0)[which].shape
+    if qtype == QT.BF16:  # the generator's bf16 bits as they are
+        return np.stack([values(seed, expert_tensors(shape, layer, e)[which]) for e in range(shape.experts)])
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
     out = np.empty((shape.experts, rows, cols // block * size), dtype=np.uint8)
     for e in range(shape.experts):
-        out[e] = gguf.quants.quantize(f32(values(seed, expert_tensors(shape, layer, e)[which])), QT.Q4_0)
+        out[e] = gguf.quants.quantize(f32(values(seed, expert_tensors(shape, layer, e)[which])), qtype)
     return out
 
 
-def add_metadata(w: gguf.GGUFWriter, shape: SyntheticShape, cfg: dict, tokenizer: dict, dense: str, seed: int) -> None:
-    w.add_name(f"tierlab make-synthetic seed {seed} ({shape.layers}x{shape.experts}, experts Q4_0, dense {dense})")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+def add_metadata(w: gguf.GGUFWriter, shape: SyntheticShape, cfg: dict, tokenizer: dict, experts: str, dense: str,
+                 seed: int) -> None:
+    w.add_name(f"tierlab make-synthetic seed {seed} ({shape.layers}x{shape.experts}, experts {experts}, dense {dense})")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if experts == "q4_0" else gguf.LlamaFileType.MOSTLY_BF16)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(shape.max_positions)
     w.add_embedding_length(shape.hidden)
@@ -254,17 +256,19 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the make-synthetic seed (default 0)")
     ap.add_argument("--dense", choices=tuple(DENSE_TYPES), default="bf16",
                     help="the non-expert matrices: bf16 (as a container without --dense-bits) or q4_0")
+    ap.add_argument("--experts", choices=tuple(DENSE_TYPES), default="q4_0",
+                    help="the routed experts: q4_0 (default) or bf16 (exact values: the layout check on small shapes)")
     ap.add_argument("--out", required=True, help="the .gguf file to write")
     a = ap.parse_args()
     model = Path(a.model)
     cfg = json.loads((model / "config.json").read_text())
     shape = shape_from_config(cfg)
     tokenizer = json.loads((model / "tokenizer.json").read_text())
-    plan = plan_tensors(shape, a.seed, DENSE_TYPES[a.dense])
+    plan = plan_tensors(shape, a.seed, DENSE_TYPES[a.dense], DENSE_TYPES[a.experts])
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(out, ARCH_NAME)
-    add_metadata(w, shape, cfg, tokenizer, a.dense, a.seed)
+    add_metadata(w, shape, cfg, tokenizer, a.experts, a.dense, a.seed)
     for tname, stored, qtype, nbytes, _ in plan.items:
         w.add_tensor_info(tname, stored, np.uint8 if qtype not in (QT.F32, QT.BF16) else
                           (np.float32 if qtype == QT.F32 else np.uint16), nbytes, raw_dtype=qtype)
@@ -285,7 +289,7 @@ def main() -> int:
                   f"{time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     w.close()
     print(json.dumps({"out": str(out), "bytes": out.stat().st_size, "tensors": len(plan.items),
-                      "seconds": round(time.time() - t0, 1), "dense": a.dense}))
+                      "seconds": round(time.time() - t0, 1), "experts": a.experts, "dense": a.dense}))
     return 0
 
 
