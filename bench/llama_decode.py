@@ -87,7 +87,8 @@ def main() -> None:
         "prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": a.tokens / decode_s,
         "disk_mb_per_token": (io2 - io1) / a.tokens / 2**20, "prefill_disk_mb": (io1 - io0) / 2**20,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-        "threads": a.threads, "repack": bool(llm.model_params.use_extra_bufts), "ids": ids, "first_logits_head": [round(float(x), 4) for x in first[:8]],
+        "threads": a.threads, "repack": bool(llm.model_params.use_extra_bufts), "ids": ids,
+        "first_logits_head": [round(float(x), 4) for x in first[:8]],
     }))
 
 

@@ -18,7 +18,9 @@ tensor is drawn with tierlab's own generator (engine/synthetic.py: the same
 one tensor at a time (one layer's stack of one expert matrix at most).
 
 What the GGUF holds, as llama.cpp's loader for `qwen35moe` expects it:
-routed experts stacked per layer (`blk.N.ffn_{gate,up,down}_exps`) in Q4_0;
+routed experts stacked per layer (`blk.N.ffn_{gate,up,down}_exps`) in Q4_0
+(`--experts bf16`: the generator's values exactly, the layout check on small
+shapes, docs/benchmarks.md "The same weights as a GGUF");
 every other matrix in BF16 (`--dense bf16`, as tierlab's container keeps
 them) or Q4_0 (`--dense q4_0`); norms, the DeltaNet convolution, A and dt in
 F32. The value heads of the DeltaNet projections are reordered from the
