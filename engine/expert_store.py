@@ -161,6 +161,7 @@ class ExpertStore:
         self._notice = notice
         self._slots = max(1, min(int(slots), n_experts))
         self._cond = threading.Condition()
+        self._resizing = 0  # set_slots calls waiting for the slots to drain: prefetch holds off
         self._clock = 0
         self._hits = np.zeros(n_layers, dtype=np.int64)
         self._misses = np.zeros(n_layers, dtype=np.int64)
@@ -591,7 +592,7 @@ class ExpertStore:
         `for_pass` (PILOT): the pass the read is for; the read then enters the prefetch ledger."""
         with self._cond:  # the layer as it is now: set_slots replaces it under this lock
             st = self._layers[layer]
-            if st is None:
+            if st is None or self._resizing:  # a resize waits for loads to drain: start none
                 return False
             s = int(st["slot_of"][expert])
             if s >= 0:
@@ -725,26 +726,35 @@ class ExpertStore:
         with self._cond:
             if slots == self._slots:
                 return
-            for layer, st in enumerate(self._layers):
-                if st is None:
-                    continue
-                while np.any(st["busy"]) or np.any(st["loading"]):
-                    self._cond.wait()
-                new = self._new_layer(slots)
-                held = [s for s in np.argsort(-st["last"]) if st["expert"][s] >= 0][:slots]
-                for i, s in enumerate(held):
-                    e = int(st["expert"][s])
-                    new["store"][i] = st["store"][s]
-                    new["expert"][i] = e
-                    new["slot_of"][e] = i
-                    new["last"][i] = st["last"][s]
-                    new["pinned"][i] = st["pinned"][s]
-                self._in_ram[layer, :] = 0
-                for e in new["expert"]:
-                    if e >= 0:
-                        self._in_ram[layer, e] = 1
-                self._layers[layer] = new
-            self._slots = slots
+            self._resizing += 1
+            try:
+                self._resize_layers(slots)
+            finally:
+                self._resizing -= 1
+
+    def _resize_layers(self, slots: int) -> None:
+        """Under the lock: each layer drained of loads and uses, then rebuilt with `slots` slots.
+        Prefetches hold off meanwhile (`_resizing`), so a loader in a loop cannot starve it."""
+        for layer, st in enumerate(self._layers):
+            if st is None:
+                continue
+            while np.any(st["busy"]) or np.any(st["loading"]):
+                self._cond.wait()
+            new = self._new_layer(slots)
+            held = [s for s in np.argsort(-st["last"]) if st["expert"][s] >= 0][:slots]
+            for i, s in enumerate(held):
+                e = int(st["expert"][s])
+                new["store"][i] = st["store"][s]
+                new["expert"][i] = e
+                new["slot_of"][e] = i
+                new["last"][i] = st["last"][s]
+                new["pinned"][i] = st["pinned"][s]
+            self._in_ram[layer, :] = 0
+            for e in new["expert"]:
+                if e >= 0:
+                    self._in_ram[layer, e] = 1
+            self._layers[layer] = new
+        self._slots = slots
 
     def close(self) -> None:
         """Stop the background readers, release the source's files and the device."""
