@@ -19,6 +19,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
 EXPERT_BYTES = 1769472  # one int4 expert of the 2048 x 512 shape: the read size tierlab's misses make
 
@@ -36,23 +37,10 @@ def disk_gbs(container: str, reads: int = 64) -> float:
 
 
 def gguf_bytes(path: str) -> int:
-    """Experts at top_k / n_experts of their bytes, one row of the embedding, every other tensor whole."""
-    import gguf
+    """Weight bytes one llama.cpp decode token reads: the side-by-side script's count."""
+    from llama_side_by_side import gguf_bytes_per_token  # bench/ is sys.path[0] when run as a script
 
-    r = gguf.GGUFReader(path)
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    n_exp = int(r.fields[f"{arch}.expert_count"].parts[-1][0])
-    top_k = int(r.fields[f"{arch}.expert_used_count"].parts[-1][0])
-    total = 0
-    for t in r.tensors:
-        nb = int(t.n_bytes)
-        if "_exps." in t.name:
-            total += nb * top_k // n_exp
-        elif t.name == "token_embd.weight":
-            total += nb // int(t.shape[-1])
-        else:
-            total += nb
-    return total
+    return gguf_bytes_per_token(Path(path))
 
 
 def row(engine: str, model: str, limit: str, arm: str) -> str:
