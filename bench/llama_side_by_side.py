@@ -13,7 +13,7 @@ Build llama.cpp (subcommand `build`, run with that venv's python):
     tar xzf /work/llama-src/llama_cpp_python-0.3.36.tar.gz -C /work/llama-src
 
 `build` runs `pip install llama-cpp-python==0.3.36` from source (native,
-OpenMP) plus gguf and numpy. Where the CPU lists AMX it adds
+OpenMP) plus gguf, numpy and what bench/synthetic_gguf.py needs to draw the weights there (numba, ml_dtypes, xxhash, safetensors). Where the CPU lists AMX it adds
 `CFLAGS/CXXFLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`: the native
 build's AMX path dies with SIGILL on some VMs, and `GGML_AMX_*=OFF` alone
 does not remove it while `GGML_NATIVE=ON`; that build still repacks weights.
@@ -156,6 +156,10 @@ def med(xs: list[float]) -> float:
 
 # --------------------------------------------------------------------------- build
 
+# what bench/synthetic_gguf.py needs of tierlab's own dependencies to draw the weights in this venv
+GGUF_WRITER_DEPS = ("numba", "ml_dtypes", "xxhash", "safetensors")
+
+
 def cmd_build(args: argparse.Namespace) -> None:
     """Build llama-cpp-python from source into --venv; without AMX where the CPU lists it."""
     env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON")
@@ -163,7 +167,7 @@ def cmd_build(args: argparse.Namespace) -> None:
         env["CFLAGS"] = env["CXXFLAGS"] = NO_AMX_FLAGS
     pip = Path(args.venv) / "bin" / "pip"
     cmd = [str(pip), "install", "--no-cache-dir", "--no-binary", "llama-cpp-python",
-           f"llama-cpp-python=={LLAMA_VERSION}", "gguf", "numpy"]
+           f"llama-cpp-python=={LLAMA_VERSION}", "gguf", "numpy", *GGUF_WRITER_DEPS]
     shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in ("CMAKE_ARGS", "CFLAGS", "CXXFLAGS") if k in env)
     print(f"{shown} {shlex.join(cmd)}")
     if not args.dry_run:

@@ -22,7 +22,9 @@ routed experts stacked per layer (`blk.N.ffn_{gate,up,down}_exps`) in Q4_0
 (`--experts bf16`: the generator's values exactly, the layout check on small
 shapes, docs/benchmarks.md "The same weights as a GGUF");
 every other matrix in BF16 (`--dense bf16`, as tierlab's container keeps
-them) or Q4_0 (`--dense q4_0`); norms, the DeltaNet convolution, A and dt in
+them), Q4_0 (`--dense q4_0`) or Q4_0 exactly where a `--dense-bits 4` container
+has int4 (`--dense q4_0-like-container`: the projections and lm_head; the
+embedding and the routers BF16); norms, the DeltaNet convolution, A and dt in
 F32. The value heads of the DeltaNet projections are reordered from the
 grouped order of the checkpoint to the tiled order llama.cpp broadcasts with,
 A is stored as -exp(A_log), and the norms Qwen3.5 scales by 1 + w hold 1 + w:
@@ -49,6 +51,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import MODEL_TENSOR as T
 
 from tierlab.engine.config import QWEN3_5_MOE
+from tierlab.engine.container import quantises
 from tierlab.engine.synthetic import (
     SyntheticShape, config_json, dense_tensors, expert_tensors, real_shape, values,
 )
@@ -57,6 +60,9 @@ ARCH = gguf.MODEL_ARCH.QWEN35MOE
 ARCH_NAME = gguf.MODEL_ARCH_NAMES[ARCH]
 MROPE_SECTIONS = [11, 11, 10, 0]  # Qwen3.5's interleaved MRoPE; text positions make it plain RoPE
 DENSE_TYPES = {"bf16": QT.BF16, "q4_0": QT.Q4_0}
+# Q4_0 for exactly the matrices a container's --dense-bits 4 stores at 4 bits (the projections and
+# lm_head), BF16 for the rest (the embedding, the routers): the equal-bits partner of such a container
+LIKE_CONTAINER = "q4_0-like-container"
 NORM_PLUS_ONE = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
 
 
@@ -121,7 +127,7 @@ def encode(arr: np.ndarray, qtype: QT) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
 
 
-def plan_tensors(shape: SyntheticShape, seed: int, dense_type: QT, expert_type: QT = QT.Q4_0) -> Plan:
+def plan_tensors(shape: SyntheticShape, seed: int, dense: str, expert_type: QT = QT.Q4_0) -> Plan:
     """Every tensor of the GGUF, each with a function that draws and converts it when written."""
     by_name = {t.name: t for t in dense_tensors(shape)}
     kh, vh, kd, vd = shape.lin_k_heads, shape.lin_v_heads, shape.lin_k_dim, shape.lin_v_dim
@@ -133,7 +139,10 @@ def plan_tensors(shape: SyntheticShape, seed: int, dense_type: QT, expert_type: 
 
     def matrix(gguf_name: str, hf_name: str, fix=None) -> None:
         rows, cols = by_name[hf_name].shape
-        qtype = dense_type if cols % 32 == 0 else QT.BF16
+        if dense == LIKE_CONTAINER:
+            qtype = QT.Q4_0 if quantises(hf_name, "BF16", [rows, cols], 4) else QT.BF16
+        else:
+            qtype = DENSE_TYPES[dense] if cols % 32 == 0 else QT.BF16
         plan.add(gguf_name, (rows, cols), qtype,
                  lambda: encode(fix(draw(hf_name)) if fix else draw(hf_name), qtype))
 
@@ -256,8 +265,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="a make-synthetic output (container or folder) of the same seed")
     ap.add_argument("--seed", type=int, default=0, help="the make-synthetic seed (default 0)")
-    ap.add_argument("--dense", choices=tuple(DENSE_TYPES), default="bf16",
-                    help="the non-expert matrices: bf16 (as a container without --dense-bits) or q4_0")
+    ap.add_argument("--dense", choices=(*DENSE_TYPES, LIKE_CONTAINER), default="bf16",
+                    help="the non-expert matrices: bf16 (as a container without --dense-bits), q4_0, or "
+                         f"{LIKE_CONTAINER} (Q4_0 where a --dense-bits 4 container has int4, else BF16)")
     ap.add_argument("--experts", choices=tuple(DENSE_TYPES), default="q4_0",
                     help="the routed experts: q4_0 (default) or bf16 (exact values: the layout check on small shapes)")
     ap.add_argument("--out", required=True, help="the .gguf file to write")
@@ -266,7 +276,7 @@ def main() -> int:
     cfg = json.loads((model / "config.json").read_text())
     shape = shape_from_config(cfg)
     tokenizer = json.loads((model / "tokenizer.json").read_text())
-    plan = plan_tensors(shape, a.seed, DENSE_TYPES[a.dense], DENSE_TYPES[a.experts])
+    plan = plan_tensors(shape, a.seed, a.dense, DENSE_TYPES[a.experts])
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(out, ARCH_NAME)
