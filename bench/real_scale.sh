@@ -18,7 +18,8 @@
 # ARMS (default "off j2 j1"); GGUF and LLAMA_PY (a python with llama-cpp-python and gguf-py)
 # add llama.cpp rows after tierlab's in each cgroup, so that the engines interleave;
 # LLAMA_ARMS (default "default norepack": llama.cpp's defaults, then without its repacked
-# copy of the weights), LLAMA_TOKENS (llama.cpp decode tokens, default TOKENS).
+# copy of the weights), LLAMA_TOKENS (llama.cpp decode tokens, default TOKENS), LLAMA_TIMEOUT
+# (seconds a llama.cpp run may take before it is stopped and its row says so; default: no limit).
 set -u
 PY=${PY:-python3}
 TOKENS=${TOKENS:-32}
@@ -29,6 +30,7 @@ GGUF=${GGUF:-}
 LLAMA_PY=${LLAMA_PY:-}
 LLAMA_ARMS=${LLAMA_ARMS:-"default norepack"}
 LLAMA_TOKENS=${LLAMA_TOKENS:-$TOKENS}
+LLAMA_TIMEOUT=${LLAMA_TIMEOUT:-0}
 HERE=$(cd "$(dirname "$0")" && pwd)
 CG=/sys/fs/cgroup/memory
 [ $# -ge 1 ] || { echo "usage: $0 CONTAINER [CONTAINER ...]" >&2; exit 2; }
@@ -72,9 +74,15 @@ run_llama() {  # limit arm -> one JSON line from bench/llama_decode.py (or an er
     [ "$arm" = norepack ] && flags=--no-repack
     (
         [ -n "$group" ] && echo $BASHPID > "$group/cgroup.procs"
-        exec "$LLAMA_PY" "$HERE/llama_decode.py" --gguf "$GGUF" --tokens "$LLAMA_TOKENS" \
+        exec timeout "$LLAMA_TIMEOUT" "$LLAMA_PY" "$HERE/llama_decode.py" --gguf "$GGUF" --tokens "$LLAMA_TOKENS" \
             --prompt-tokens "$PROMPT" $flags 2>/tmp/real_scale.err
-    ) || echo "{\"error\": \"llama.cpp exit $? $(tail -n 1 /tmp/real_scale.err | tr -d '"')\"}"
+    )
+    local rc=$?
+    if [ $rc = 124 ]; then
+        echo "{\"error\": \"did not finish the prompt and $LLAMA_TOKENS tokens in $LLAMA_TIMEOUT s (stopped)\"}"
+    elif [ $rc != 0 ]; then
+        echo "{\"error\": \"llama.cpp exit $rc $(tail -n 1 /tmp/real_scale.err | tr -d '"')\"}"
+    fi
     [ -n "$group" ] && rmdir "$group" 2>/dev/null
 }
 
