@@ -19,7 +19,9 @@
 # add llama.cpp rows after tierlab's in each cgroup, so that the engines interleave;
 # LLAMA_ARMS (default "default norepack": llama.cpp's defaults, then without its repacked
 # copy of the weights), LLAMA_TOKENS (llama.cpp decode tokens, default TOKENS), LLAMA_TIMEOUT
-# (seconds a llama.cpp run may take before it is stopped and its row says so; default: no limit).
+# (seconds a llama.cpp run may take before it is stopped and its row says so; default: no limit),
+# DROP_CACHES=1 (empty the page cache before every run, so that neither engine finds the other's
+# or the writer's pages there: each run starts from the disk).
 set -u
 PY=${PY:-python3}
 TOKENS=${TOKENS:-32}
@@ -31,6 +33,7 @@ LLAMA_PY=${LLAMA_PY:-}
 LLAMA_ARMS=${LLAMA_ARMS:-"default norepack"}
 LLAMA_TOKENS=${LLAMA_TOKENS:-$TOKENS}
 LLAMA_TIMEOUT=${LLAMA_TIMEOUT:-0}
+DROP_CACHES=${DROP_CACHES:-0}
 HERE=$(cd "$(dirname "$0")" && pwd)
 CG=/sys/fs/cgroup/memory
 [ $# -ge 1 ] || { echo "usage: $0 CONTAINER [CONTAINER ...]" >&2; exit 2; }
@@ -50,6 +53,11 @@ arm_env() {
     esac
 }
 
+drop_caches() {  # the page cache emptied before a run when DROP_CACHES=1 (needs root)
+    [ "$DROP_CACHES" = 1 ] && sync && echo 3 > /proc/sys/vm/drop_caches
+    return 0
+}
+
 group_for() {  # limit -> the path of a cgroup with that limit ("" when unconstrained)
     [ "$1" = none ] && return 0
     local group=$CG/tierlab_real_$1
@@ -59,6 +67,7 @@ group_for() {  # limit -> the path of a cgroup with that limit ("" when unconstr
 run_one() {  # model limit arm -> one JSON line (or an error line)
     local model=$1 limit=$2 arm=$3 group
     group=$(group_for "$limit") || { echo '{"error": "no cgroup"}'; return; }
+    drop_caches
     (
         [ -n "$group" ] && echo $BASHPID > "$group/cgroup.procs"
         # shellcheck disable=SC2046
@@ -72,6 +81,7 @@ run_llama() {  # limit arm -> one JSON line from bench/llama_decode.py (or an er
     local limit=$1 arm=$2 group flags=""
     group=$(group_for "$limit") || { echo '{"error": "no cgroup"}'; return; }
     [ "$arm" = norepack ] && flags=--no-repack
+    drop_caches
     (
         [ -n "$group" ] && echo $BASHPID > "$group/cgroup.procs"
         exec timeout "$LLAMA_TIMEOUT" "$LLAMA_PY" "$HERE/llama_decode.py" --gguf "$GGUF" --tokens "$LLAMA_TOKENS" \
@@ -91,7 +101,8 @@ row() {  # engine model limit arm json -> one table row
 }
 
 echo "# $(date -u +%FT%TZ) $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), memory $BW GB/s, disk $DISK GB/s," \
-    "$PROMPT prompt tokens, $TOKENS decode tokens per tierlab run, $LLAMA_TOKENS per llama.cpp run"
+    "$PROMPT prompt tokens, $TOKENS decode tokens per tierlab run, $LLAMA_TOKENS per llama.cpp run" \
+    "$([ "$DROP_CACHES" = 1 ] && echo ', page cache emptied before every run')"
 echo "| engine | model | dense | cgroup | lever | prefill tok/s | decode tok/s | RAM hit | disk MiB/token | peak RSS | slots | ms/token | reads alone, ms |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for limit in $LIMITS; do
