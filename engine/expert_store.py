@@ -313,11 +313,10 @@ class ExpertStore:
         with self._cond:
             return [int(e) for e, p in zip(st["expert"], st["pinned"]) if p and e >= 0]
 
-    def can_group(self, pilot: bool = False) -> bool:
+    def can_group(self) -> bool:
         """A prompt's experts may be computed per expert (`begin_prompt`) when no GPU tier takes a
-        share of them and no prefetch (`pilot`, PILOT on) can change a layer's slots between two
-        tokens' claims; with a slot for every expert a prefetch evicts nothing, so PILOT may run."""
-        return self._tier is None and (not pilot or self._slots >= self.n_experts)
+        share of them."""
+        return self._tier is None
 
     def stats(self) -> StoreStats:
         tier = self._tier
@@ -451,8 +450,12 @@ class ExpertStore:
 
     # -- a prompt's experts, streamed -------------------------------------------------------
     def begin_prompt(self, layer: int) -> "PromptLayer":
-        """Start a prompt's bookkeeping in one layer (after its in-flight loads finish); prefetch
-        holds off this layer until `end_prompt`."""
+        """Start a prompt's bookkeeping in one layer, once its in-flight loads have finished.
+
+        Until `end_prompt`, prefetch starts no read in this layer (PILOT's other layers go on):
+        a token-by-token prompt races PILOT's loader, whose reads land between any two tokens'
+        claims or not at all before the layer is done; holding them off is one of those
+        timings, the one where the loader did not get there in time."""
         with self._cond:
             st = self._layers[layer]
             while np.any(st["busy"]) or np.any(st["loading"]):

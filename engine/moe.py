@@ -116,9 +116,8 @@ class MoEBlock:
         return routes
 
     def _can_group(self, ctx) -> bool:
-        """A prompt's experts may be computed per expert unless a GPU tier takes a share of them or
-        PILOT's prefetch could change a small cache between two tokens' claims."""
-        return ctx.store.can_group(pilot=bool(ctx.knobs.PILOT))
+        """A prompt's experts may be computed per expert unless a GPU tier takes a share of them."""
+        return ctx.store.can_group()
 
     def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[LayerRoute]:
         """A prompt's experts, each read at most once and run once for all the tokens routed to it.
@@ -128,10 +127,12 @@ class MoEBlock:
         with CACHE_ROUTE on) after the previous token's claims, and its claims are those that
         `ExpertStore.compute` makes (`claim_prompt_token`: the same hits, misses, victims, LRU
         order, pins' protection and shadow counts, a miss resident from then on), with only the
-        reads deferred. Pins change between passes only (HOT pins after a pass), and what could
-        change the slots between two tokens is ruled out by `_can_group`: the GPU tier (its
-        residents run on the device and are evicted first) and PILOT's prefetch into a small
-        cache. Then the work is regrouped (`stream_prompt`): one pass over an expert's weights
+        reads deferred. Pins change between passes only (HOT pins after a pass); the GPU tier
+        (its residents run on the device and are evicted first) keeps a prompt token by token
+        (`_can_group`); PILOT's prefetch reads land in this layer before its prompt or after
+        it (`ExpertStore.begin_prompt`), one of the timings its loader can take token by
+        token, so with CACHE_ROUTE off the logits are those of PILOT off, bit for bit. Then
+        the work is regrouped (`stream_prompt`): one pass over an expert's weights
         serves all its tokens (`forward_tokens`: matrix-matrix products, or with the
         PREFILL_EXACT knob the one-token kernel's exact results), the next experts are read
         while one runs, and each token still sums its experts in rank order. An expert that

@@ -12,8 +12,8 @@ weights, layers and expert source; its own sequence state, RAM cache,
 router, prefetcher and meters) runs short real passes through one layer of
 each kind, once per path a session can take: a prompt with all logits
 (evaluation), a prompt through a RAM cache smaller than the expert count
-(streamed; PILOT's step runs a prompt token by token), decode, each routing strategy, the agreement meters,
-and PILOT's prefetch. Because the twin passes the engine's own arrays
+(its experts streamed through scratch buffers), decode, each routing
+strategy, the agreement meters, and PILOT's prefetch. Because the twin passes the engine's own arrays
 through the engine's own code, numba meets exactly the argument types the
 session will give it; a GPU tier's CPU fallback runs the RAM path's
 kernels. The loaded engine is not touched: its logits, caches, counters and
@@ -40,7 +40,7 @@ class Step:
     """One warm-up pass: a label for the progress line, the twin's RAM slots and its knobs."""
 
     label: str
-    slots: str  # "all" (every expert in RAM) or "top_k" (evictions: streamed, or token by token with PILOT)
+    slots: str  # "all" (every expert in RAM) or "top_k" (evictions, scratch buffers)
     knobs: dict = field(default_factory=dict)
     all_logits: bool = False
 
