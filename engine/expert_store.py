@@ -505,7 +505,8 @@ class ExpertStore:
         when it stayed in none, into a scratch buffer. Experts whose slot goes to another expert
         run first (their bytes are still there), then those that stay, then the read ones; the
         reader threads keep `PROMPT_READS_AHEAD` reads ahead of the expert running, so reading
-        and computing overlap. Adds the waits to timers["fetch"], the runs to timers["compute"]."""
+        and computing overlap (a read no reader has started when its expert is due is made in
+        this thread: on a busy machine a reader may wait long to be scheduled). Adds the waits to timers["fetch"], the runs to timers["compute"]."""
         layer, st, before = prompt.layer, prompt.st, prompt.before
         first, kept, reads = [], [], []
         with self._cond:
@@ -552,7 +553,10 @@ class ExpertStore:
                 read_ahead(i)
                 t0 = time.perf_counter()
                 future, buf = futures[i]
-                future.result()
+                if future.cancel():  # no reader has started it: read it here rather than wait for one
+                    self._source.read(layer, e, buf)
+                else:
+                    future.result()
                 t1 = time.perf_counter()
                 with self._cond:
                     self._bytes_read += self._source.blob_nbytes
