@@ -486,8 +486,9 @@ class ExpertStore:
                     taken[i] = self._take(layer, e)
                     self._mark_read(st, layer, e, *taken[i])
         hits = [not must for _, must in taken]
-        shadow = count_shadow(stock, where, {e: int(h) for e, h in zip(experts, hits)}) if stock is not None else None
-        return hits, shadow
+        if stock is None:
+            return hits, None
+        return hits, count_shadow(stock, where, {e: int(h) for e, h in zip(experts, hits)})
 
     def _mark_read(self, st: dict, layer: int, expert: int, s: int, must_load: bool) -> None:
         """Under the lock: a claim of `claim_prompt_token` released, its read taken as done."""
@@ -506,7 +507,8 @@ class ExpertStore:
         run first (their bytes are still there), then those that stay, then the read ones; the
         reader threads keep `PROMPT_READS_AHEAD` reads ahead of the expert running, so reading
         and computing overlap (a read no reader has started when its expert is due is made in
-        this thread: on a busy machine a reader may wait long to be scheduled). Adds the waits to timers["fetch"], the runs to timers["compute"]."""
+        this thread: on a busy machine a reader may wait long to be scheduled). Adds the waits
+        to timers["fetch"], the runs to timers["compute"]."""
         layer, st, before = prompt.layer, prompt.st, prompt.before
         first, kept, reads = [], [], []
         with self._cond:
