@@ -31,6 +31,16 @@ loading it counts as RAM, as a claim would have waited for the load). With
 the routing lever off the stock top-K is the chosen set, so the shadow
 equals the realised figures exactly.
 
+A prompt's experts through a small cache (`begin_prompt`, `claim_prompt_token`,
+`stream_prompt`): the bookkeeping of each token's claims runs first, token by
+token, exactly as `compute` would run it (the same claims in the same order,
+so the same hits, misses, victims, LRU clock and residency levels), with every
+read deferred. Then each expert the prompt used is read at most once: into
+the slot the bookkeeping left it in, or, when it did not stay resident, into a
+scratch buffer; the store's reader threads read the next experts while the
+caller computes the current one. At the end the slots hold what the
+bookkeeping says they hold, as if the prompt had run token by token.
+
 A device failure (`TierFailure`) is handled here: the store drops the tier,
 says so once through its notice callback, and computes on the CPU.
 
@@ -140,6 +150,24 @@ class HeldExperts:
         return not self.plan[i][2]
 
 
+#: a streamed prompt's reads in flight or done ahead of the expert being computed
+PROMPT_READS_AHEAD = 4
+
+
+class PromptLayer:
+    """One layer of a prompt between `begin_prompt` and `end_prompt`: the layer's slot table
+    (`st`), the expert each slot held before the prompt (`before`), and the slots a read has
+    filled with the new expert the bookkeeping put there (`filled`)."""
+
+    __slots__ = ("layer", "st", "before", "filled")
+
+    def __init__(self, layer: int, st: dict, before: np.ndarray) -> None:
+        self.layer = layer
+        self.st = st
+        self.before = before
+        self.filled: set[int] = set()
+
+
 @dataclass(frozen=True)
 class ResidencyState:
     """Where the experts were, as far as the next run's hits depend on it: the RAM slots per
@@ -162,6 +190,8 @@ class ExpertStore:
         self._slots = max(1, min(int(slots), n_experts))
         self._cond = threading.Condition()
         self._resizing = 0  # set_slots calls waiting for the slots to drain: prefetch holds off
+        self._streaming: set[int] = set()  # layers a prompt streams (`begin_prompt`): prefetch holds off
+        self._scratch: list[np.ndarray] = []  # buffers for a prompt's experts that leave no slot
         self._clock = 0
         self._hits = np.zeros(n_layers, dtype=np.int64)
         self._misses = np.zeros(n_layers, dtype=np.int64)
@@ -284,9 +314,9 @@ class ExpertStore:
             return [int(e) for e, p in zip(st["expert"], st["pinned"]) if p and e >= 0]
 
     def can_group(self) -> bool:
-        """A prompt's experts may be computed per expert when no expert can be evicted mid-prompt
-        (every expert has a RAM slot) and no GPU tier takes a share of them."""
-        return self._tier is None and self._slots >= self.n_experts
+        """A prompt's experts may be computed per expert (`begin_prompt`) when no GPU tier takes a
+        share of them."""
+        return self._tier is None
 
     def stats(self) -> StoreStats:
         tier = self._tier
@@ -417,6 +447,161 @@ class ExpertStore:
         source = self._source
         forward = expert_forward_tokens if exact else expert_matmat
         return forward(source.kind, blob, source.hidden, source.inter, xs)
+
+    # -- a prompt's experts, streamed -------------------------------------------------------
+    def begin_prompt(self, layer: int) -> "PromptLayer":
+        """Start a prompt's bookkeeping in one layer, once its in-flight loads have finished.
+
+        Until `end_prompt`, prefetch starts no read in this layer (PILOT's other layers go on):
+        a token-by-token prompt races PILOT's loader, whose reads land between any two tokens'
+        claims or not at all before the layer is done; holding them off is one of those
+        timings, the one where the loader did not get there in time."""
+        with self._cond:
+            st = self._layers[layer]
+            while np.any(st["busy"]) or np.any(st["loading"]):
+                self._cond.wait()
+            self._streaming.add(layer)
+            return PromptLayer(layer, st, st["expert"].copy())
+
+    def claim_prompt_token(self, prompt: "PromptLayer", experts: list[int],
+                           stock: np.ndarray | None = None) -> tuple[list[bool], Shadow | None]:
+        """One token's claims, as `compute` makes them, with the reads deferred: whether each
+        expert hit, and the shadow counts of `stock`. A miss's expert counts as resident from
+        here on (the router's levels, the next claims), as it would once `compute` had read it."""
+        layer, st = prompt.layer, prompt.st
+        with self._cond:
+            if self._layers[layer] is not st:
+                raise RuntimeError("the RAM cache was resized during a prompt")
+            where = self._where(layer, stock, None)
+            taken: list = [None] * len(experts)
+            if 1 < len(experts) <= self._slots and len(set(experts)) == len(experts):
+                # `acquire`'s order: the token's resident experts first, then its misses in rank order
+                resident = [i for i, e in enumerate(experts) if st["slot_of"][e] >= 0]
+                for i in resident + [i for i in range(len(experts)) if i not in resident]:
+                    taken[i] = self._take(layer, experts[i])
+                for i, (s, must) in enumerate(taken):
+                    self._mark_read(st, layer, experts[i], s, must)
+            else:  # `_acquire_one`: each expert read and released before the next is claimed
+                for i, e in enumerate(experts):
+                    taken[i] = self._take(layer, e)
+                    self._mark_read(st, layer, e, *taken[i])
+        hits = [not must for _, must in taken]
+        if stock is None:
+            return hits, None
+        return hits, count_shadow(stock, where, {e: int(h) for e, h in zip(experts, hits)})
+
+    def _mark_read(self, st: dict, layer: int, expert: int, s: int, must_load: bool) -> None:
+        """Under the lock: a claim of `claim_prompt_token` released, its read taken as done."""
+        st["busy"][s] -= 1
+        if must_load:
+            st["loading"][s] = False
+            self._in_ram[layer, expert] = 1
+
+    def stream_prompt(self, prompt: "PromptLayer", experts: list[int], run: Callable[[int, np.ndarray], None],
+                      timers: dict) -> None:
+        """run(expert, blob) once for every expert the prompt's claims used, each read at most once.
+
+        An expert's bytes come from its slot when the bookkeeping left it in the slot that held
+        it before the prompt; else they are read, into the slot the bookkeeping put it in or,
+        when it stayed in none, into a scratch buffer. Experts whose slot goes to another expert
+        run first (their bytes are still there), then those that stay, then the read ones; the
+        reader threads keep `PROMPT_READS_AHEAD` reads ahead of the expert running, so reading
+        and computing overlap (a read no reader has started when its expert is due is made in
+        this thread: on a busy machine a reader may wait long to be scheduled). Adds the waits
+        to timers["fetch"], the runs to timers["compute"]."""
+        layer, st, before = prompt.layer, prompt.st, prompt.before
+        first, kept, reads = [], [], []
+        with self._cond:
+            for e in experts:
+                s = int(st["slot_of"][e])
+                if s >= 0 and before[s] == e:
+                    kept.append((e, s))
+                elif s >= 0:
+                    reads.append((e, s))
+                    st["loading"][s] = True  # until its read: a resize or clear waits for it
+                else:
+                    old = np.flatnonzero(before == e)
+                    if old.size:
+                        first.append((e, int(old[0])))
+                    else:
+                        reads.append((e, -1))
+            for _, s in first + kept:
+                st["busy"][s] += 1
+        overwrites = {s: e for e, s in first}  # a read into slot s waits for the expert it held to run
+        done: set[int] = set()
+        free = list(self._scratch_buffers())
+        futures: list = []
+
+        def read_ahead(consumed: int) -> None:
+            while len(futures) < len(reads) and len(futures) - consumed < PROMPT_READS_AHEAD:
+                e, s = reads[len(futures)]
+                held_before = overwrites.get(s) if s >= 0 else None
+                if (held_before is not None and held_before not in done) or (s < 0 and not free):
+                    return
+                buf = st["store"][s] if s >= 0 else free.pop()
+                futures.append((self._readers().submit(self._source.read, layer, e, buf), buf))
+
+        try:
+            for e, s in first + kept:
+                read_ahead(0)
+                t0 = time.perf_counter()
+                run(e, st["store"][s])
+                done.add(e)
+                with self._cond:
+                    st["busy"][s] -= 1
+                    self._cond.notify_all()
+                timers["compute"] += time.perf_counter() - t0
+            for i, (e, s) in enumerate(reads):
+                read_ahead(i)
+                t0 = time.perf_counter()
+                future, buf = futures[i]
+                if future.cancel():  # no reader has started it: read it here rather than wait for one
+                    self._source.read(layer, e, buf)
+                else:
+                    future.result()
+                t1 = time.perf_counter()
+                with self._cond:
+                    self._bytes_read += self._source.blob_nbytes
+                    if s >= 0:
+                        st["loading"][s] = False
+                        prompt.filled.add(s)
+                        self._cond.notify_all()
+                run(e, buf)
+                if s < 0:
+                    free.append(buf)
+                timers["fetch"] += t1 - t0
+                timers["compute"] += time.perf_counter() - t1
+        finally:
+            for future, _ in futures:
+                try:
+                    future.result()
+                except Exception:
+                    pass
+            with self._cond:  # after a failed run: the slots it had not reached are not in use
+                for e, s in first + kept:
+                    if e not in done:
+                        st["busy"][s] -= 1
+                self._cond.notify_all()
+
+    def _scratch_buffers(self) -> list[np.ndarray]:
+        while len(self._scratch) < PROMPT_READS_AHEAD:
+            self._scratch.append(np.empty(self._source.blob_nbytes, dtype=np.uint8))
+        return self._scratch
+
+    def end_prompt(self, prompt: "PromptLayer") -> None:
+        """Close a prompt's layer: a slot that the bookkeeping gave a new expert whose bytes never
+        arrived (a failed read or run) is emptied; prefetch may use the layer again."""
+        layer, st, before = prompt.layer, prompt.st, prompt.before
+        with self._cond:
+            for s in range(st["expert"].shape[0]):
+                e = int(st["expert"][s])
+                if e >= 0 and e != before[s] and s not in prompt.filled:
+                    st["loading"][s] = False
+                    st["expert"][s] = -1
+                    st["slot_of"][e] = -1
+                    self._in_ram[layer, e] = 0
+            self._streaming.discard(layer)
+            self._cond.notify_all()
 
     # -- holding RAM slots ---------------------------------------------------------------
     def acquire(self, layer: int, experts: list[int], stock: np.ndarray | None = None) -> HeldExperts | None:
@@ -592,7 +777,8 @@ class ExpertStore:
         `for_pass` (PILOT): the pass the read is for; the read then enters the prefetch ledger."""
         with self._cond:  # the layer as it is now: set_slots replaces it under this lock
             st = self._layers[layer]
-            if st is None or self._resizing:  # a resize waits for loads to drain: start none
+            if st is None or self._resizing or layer in self._streaming:  # a resize waits for loads
+                return False  # to drain, a streamed prompt decides this layer's slots itself: start none
                 return False
             s = int(st["slot_of"][expert])
             if s >= 0:

@@ -116,27 +116,33 @@ class MoEBlock:
         return routes
 
     def _can_group(self, ctx) -> bool:
-        """A prompt's experts may be computed per expert when the store can hold all of them at once."""
+        """A prompt's experts may be computed per expert unless a GPU tier takes a share of them."""
         return ctx.store.can_group()
 
     def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[LayerRoute]:
-        """A prompt's experts, each read once for all the tokens routed to it.
+        """A prompt's experts, each read at most once and run once for all the tokens routed to it.
 
-        Routing, residency and the hit/miss counts follow the tokens in order
-        exactly as `_token_by_token` does (each token's experts are acquired
-        before the next token is routed; with a slot for every expert nothing
-        is evicted, so holding them changes no decision). Only the work is
-        regrouped: one pass over an expert's weights serves all its tokens
-        (`forward_tokens`: matrix-matrix products, or with the PREFILL_EXACT
-        knob the one-token kernel's exact results), and each token still sums
-        its experts in rank order.
+        Why it equals `_token_by_token`: every decision that depends on residency is taken in
+        token order on the same state. Each token is routed (the router's residency levels,
+        with CACHE_ROUTE on) after the previous token's claims, and its claims are those that
+        `ExpertStore.compute` makes (`claim_prompt_token`: the same hits, misses, victims, LRU
+        order, pins' protection and shadow counts, a miss resident from then on), with only the
+        reads deferred. Pins change between passes only (HOT pins after a pass); the GPU tier
+        (its residents run on the device and are evicted first) keeps a prompt token by token
+        (`_can_group`); PILOT's prefetch reads land in this layer before its prompt or after
+        it (`ExpertStore.begin_prompt`), one of the timings its loader can take token by
+        token, so with CACHE_ROUTE off the logits are those of PILOT off, bit for bit. Then
+        the work is regrouped (`stream_prompt`): one pass over an expert's weights
+        serves all its tokens (`forward_tokens`: matrix-matrix products, or with the
+        PREFILL_EXACT knob the one-token kernel's exact results), the next experts are read
+        while one runs, and each token still sums its experts in rank order. An expert that
+        did not stay resident runs from a scratch buffer, so a prompt needs no slot per expert.
         """
         layer, store, timers = self.layer, ctx.store, ctx.timers
         T, K = x.shape[0], self.cfg.top_k
         routes: list[LayerRoute] = []
         users: dict[int, list[tuple[int, int]]] = {}  # expert -> [(token, slot)] in token order
-        blobs: dict[int, np.ndarray] = {}
-        holds = []
+        prompt = store.begin_prompt(layer)
         try:
             for t in range(T):
                 t1 = time.perf_counter()
@@ -145,34 +151,33 @@ class MoEBlock:
                 timers["router"] += t2 - t1
                 slots = [s for s in range(route.chosen.shape[0]) if route.chosen[s] >= 0]
                 experts = [int(route.chosen[s]) for s in slots]
-                # the token's misses are read by the store's reader threads side by side; all
-                # are in RAM before the next token is routed, as in decode
-                held = store.acquire(layer, experts, stock=route.true_topk)
-                holds.append(held)
-                _add_shadow(route, held.shadow)
-                for i, (s, e) in enumerate(zip(slots, experts)):
-                    blobs[e] = store.blob(held, i)
-                    route.ram_hits += int(held.hit(i))
-                    route.ram_misses += int(not held.hit(i))
+                hits, shadow = store.claim_prompt_token(prompt, experts, stock=route.true_topk)
+                _add_shadow(route, shadow)
+                route.ram_hits += sum(hits)
+                route.ram_misses += len(hits) - sum(hits)
+                for s, e in zip(slots, experts):
                     users.setdefault(e, []).append((t, s))
                 timers["fetch"] += time.perf_counter() - t2
                 routes.append(route)
                 ctx.after_route(layer, route, logits_all[t])
-            t3 = time.perf_counter()
             outputs = np.zeros((T, K, x.shape[1]), dtype=np.float32)
-            for e, pairs in users.items():
-                tokens = [t for t, _ in pairs]
-                y = store.forward_tokens(blobs[e], x[tokens], exact=ctx.knobs.PREFILL_EXACT)
+            exact = ctx.knobs.PREFILL_EXACT
+
+            def run(expert: int, blob: np.ndarray) -> None:
+                pairs = users[expert]
+                y = store.forward_tokens(blob, x[[t for t, _ in pairs]], exact=exact)
                 for i, (t, s) in enumerate(pairs):
                     outputs[t, s] = y[i]
+
+            store.stream_prompt(prompt, list(users), run, timers)
+            t3 = time.perf_counter()
             for t, route in enumerate(routes):
                 for s in range(route.chosen.shape[0]):
                     if route.chosen[s] >= 0:
                         axpy(out[t], np.float32(route.weights[s]), outputs[t, s])
             timers["compute"] += time.perf_counter() - t3
         finally:
-            for held in holds:
-                store.release(held)
+            store.end_prompt(prompt)
         return routes
 
     def _experts(self, x: np.ndarray, route: LayerRoute, y: np.ndarray, ctx) -> None:

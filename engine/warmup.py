@@ -11,9 +11,9 @@ How: a scratch twin of the loaded engine (`Engine.scratch_twin`: the same
 weights, layers and expert source; its own sequence state, RAM cache,
 router, prefetcher and meters) runs short real passes through one layer of
 each kind, once per path a session can take: a prompt with all logits
-(evaluation), a prompt token by token (a RAM cache smaller than the expert
-count, or a GPU tier), decode, each routing strategy, the agreement meters,
-and PILOT's prefetch. Because the twin passes the engine's own arrays
+(evaluation), a prompt through a RAM cache smaller than the expert count
+(its experts streamed through scratch buffers), decode, each routing
+strategy, the agreement meters, and PILOT's prefetch. Because the twin passes the engine's own arrays
 through the engine's own code, numba meets exactly the argument types the
 session will give it; a GPU tier's CPU fallback runs the RAM path's
 kernels. The loaded engine is not touched: its logits, caches, counters and
@@ -40,14 +40,14 @@ class Step:
     """One warm-up pass: a label for the progress line, the twin's RAM slots and its knobs."""
 
     label: str
-    slots: str  # "all" (prompts grouped per expert) or "top_k" (token by token, evictions)
+    slots: str  # "all" (every expert in RAM) or "top_k" (evictions, scratch buffers)
     knobs: dict = field(default_factory=dict)
     all_logits: bool = False
 
 
 STEPS = (
     Step("prompt and decode", "all", all_logits=True),
-    Step("prompt token by token", "top_k"),
+    Step("prompt, small cache", "top_k"),
     Step("routing maxrank", "top_k", {"CACHE_ROUTE": "1", "ROUTE_MODE": "maxrank", "ROUTE_ALPHA": "0.5"}),
     Step("routing cumprob", "top_k", {"CACHE_ROUTE": "1", "ROUTE_MODE": "cumprob", "ROUTE_P": "0.5"}),
     Step("routing prior", "top_k", {"CACHE_ROUTE": "1", "ROUTE_MODE": "prior"}),

@@ -7,7 +7,10 @@ prints each round's tok/s and its phases (attention, deltanet, router, fetch,
 compute = the routed experts, shared, lm_head, other), and the round with the
 median total as JSON with --json.
 
-    python tools/prefill_phases.py --model DIR [--prompt-tokens 128] [--rounds 3] [--json]
+    python tools/prefill_phases.py --model DIR [--prompt-tokens 128] [--rounds 3] [--cache N] [--cold] [--json]
+
+--cache sets the RAM slots per layer (default every expert, as the CLI); --cold
+empties the slots before each round, so each prompt reads its experts.
 """
 
 from __future__ import annotations
@@ -27,15 +30,19 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cache", type=int, default=None, help="RAM slots per layer (default: every expert)")
+    p.add_argument("--cold", action="store_true", help="empty the RAM slots before each round")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    engine = EngineOptions(model=args.model).open(with_tokenizer=False)
+    engine = EngineOptions(model=args.model, cache=args.cache).open(with_tokenizer=False)
     rng = np.random.default_rng(0)
     vocab = engine.config.vocab_size
     engine.prefill(rng.integers(0, vocab, args.prompt_tokens))
     rows = []
     for _ in range(args.rounds):
         ids = rng.integers(0, vocab, args.prompt_tokens)
+        if args.cold:
+            engine.cold_start()
         before = dict(engine.timers)
         t0 = time.perf_counter()
         engine.prefill(ids)

@@ -10,6 +10,11 @@ from process start to ready, the first token's latency after ready, and the
 largest gap between two tokens (overall, and at each change).
 
     python tools/stall_bench.py [--model DIR] [--tokens 60] [--cache N] [--no-warmup] [--app]
+                                [--numba-cache DIR --starts N]
+
+With --numba-cache the runs use that folder as numba's cache and keep it: the
+first start fills it, and --starts later starts are timed on it (several trees
+interleaved on one cache: numba keys its cache by each kernel's source).
 
 With --app the same is measured in the app itself (TierlabApp under
 `App.run_test()`, headless): ready is the engine appearing in the app, the
@@ -188,11 +193,20 @@ def main() -> int:
                         "CACHE_ROUTE is switched on at --toggle as the knob's handler does")
     parser.add_argument("--cache", type=int, default=0,
                         help="RAM cache slots per layer for the engine child (default: the app's first-run cache)")
+    parser.add_argument("--numba-cache", type=Path, default=None,
+                        help="numba's cache folder, kept (default: a new empty one per mode, then one start on it)")
+    parser.add_argument("--starts", type=int, default=1, help="with --numba-cache: starts timed on it (default 1)")
     args = parser.parse_args()
     modes = [True] + ([False] if args.no_warmup else [])
     for warm in modes:
         with tempfile.TemporaryDirectory(prefix="tierlab-numba-") as cache_dir:
-            for start in ("empty cache", "cached"):
+            if args.numba_cache is not None:
+                args.numba_cache.mkdir(parents=True, exist_ok=True)
+                cache_dir = str(args.numba_cache)
+                starts = ["given cache"] * max(1, args.starts)
+            else:
+                starts = ["empty cache", "cached"]
+            for start in starts:
                 r = run_once(args.model, args.tokens, args.toggle, warm, cache_dir, args.app, args.cache)
                 changes = ", ".join(f"{k} {v:.0f}" for k, v in r["gap_after_change_ms"].items())
                 print(f"{'app' if args.app else 'engine'} | {'warm-up' if warm else 'no warm-up'} | {start} | "
