@@ -176,6 +176,13 @@ def _store_block(blocks, r_start, n_rows, xs, out):
 
 
 @njit(**_OPTS)
+def _zero_padding(blocks, n_rows):
+    """Zeros in the rows of the last group of four that lie past n_rows."""
+    if n_rows % 4:
+        blocks[n_rows // 4, :, n_rows % 4:, :] = 0.0
+
+
+@njit(**_OPTS)
 def _widen_bf16(w, r, row):
     wide_vectors()
     for c in range(row.shape[0]):
@@ -218,9 +225,10 @@ def matmat_bf16(w, x, out):
     xs = _chunked_tokens(x, width)
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
         row = np.empty(cols, dtype=np.float32)
-        blocks = np.zeros((_ROW_BLOCK // 4, cols // width, 4, width), dtype=np.float32)
+        blocks = np.empty((_ROW_BLOCK // 4, cols // width, 4, width), dtype=np.float32)
         r_start = b * _ROW_BLOCK
         n_rows = min(_ROW_BLOCK, rows - r_start)
+        _zero_padding(blocks, n_rows)
         for i in range(n_rows):
             _widen_bf16(w, r_start + i, row)
             _put_row(row, i % 4, blocks[i // 4])
@@ -255,9 +263,10 @@ def matmat_quant(q, s, x, out):
     xs = _chunked_tokens(x, width)
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
         row = np.empty(cols, dtype=np.float32)
-        blocks = np.zeros((_ROW_BLOCK // 4, cols // width, 4, width), dtype=np.float32)
+        blocks = np.empty((_ROW_BLOCK // 4, cols // width, 4, width), dtype=np.float32)
         r_start = b * _ROW_BLOCK
         n_rows = min(_ROW_BLOCK, rows - r_start)
+        _zero_padding(blocks, n_rows)
         for i in range(n_rows):
             _widen_quant(q, s, r_start + i, row)
             _put_row(row, i % 4, blocks[i // 4])
