@@ -119,15 +119,6 @@ def _chunked_tokens(x, width):
 
 
 @njit(**_OPTS)
-def _put_row(row, k, block):
-    """Row k of a four-row group, chunked like the tokens: block [chunks, 4, width]."""
-    width = block.shape[2]
-    for j in range(block.shape[0]):
-        for c in range(width):
-            block[j, k, c] = row[j * width + c]
-
-
-@njit(**_OPTS)
 def _token_tile(cols):
     """Tokens per tile (even): a tile's columns, about 256 KiB, stay in L2 beside the row block
     while every group of four rows goes over them."""
@@ -183,13 +174,6 @@ def _zero_padding(blocks, n_rows):
 
 
 @njit(**_OPTS)
-def _widen_bf16(w, r, row):
-    wide_vectors()
-    for c in range(row.shape[0]):
-        row[c] = bf16_f32(w[r, c])
-
-
-@njit(**_OPTS)
 def _widen_int8(q, s, r, row):
     wide_vectors()
     for g in range(s.shape[1]):
@@ -210,9 +194,74 @@ def _widen_int4(q, s, r, row):
             row[g * GROUP + half + j] = (_hi_nibble_f32(b) - np.float32(8.0)) * scale
 
 
-# Each parallel step takes 16 rows: they are widened to float32 (a last
-# partial group of four padded with zero rows) and cut into chunks of columns
-# like the tokens; then, one tile of tokens at a time (kept in L2), each group
+@njit(**_OPTS)
+def _widen_bf16_into(w, r, k, block):
+    """Row r of a bf16 w as float32, straight into row k of a four-row group (block [chunks, 4, width])."""
+    width = block.shape[2]
+    for j in range(block.shape[0]):
+        _widen_bf16_span(w[r, j * width:(j + 1) * width], block[j, k])
+
+
+@njit(**_OPTS)
+def _widen_bf16_span(src, dst):
+    wide_vectors()
+    for c in range(dst.shape[0]):
+        dst[c] = bf16_f32(src[c])
+
+
+@njit(**_OPTS)
+def _widen_int8_into(q, s, r, k, block):
+    width = block.shape[2]
+    per_chunk = width // GROUP
+    for j in range(block.shape[0]):
+        _widen_int8_span(q[r, j * width:(j + 1) * width], s[r, j * per_chunk:(j + 1) * per_chunk], block[j, k])
+
+
+@njit(**_OPTS)
+def _widen_int8_span(src, scales, dst):
+    wide_vectors()
+    for g in range(scales.shape[0]):
+        scale = scales[g]
+        for i in range(GROUP):
+            dst[g * GROUP + i] = _i8_f32(src[g * GROUP + i]) * scale
+
+
+@njit(**_OPTS)
+def _widen_int4_into(q, s, r, k, block):
+    half = GROUP // 2
+    width = block.shape[2]
+    per_chunk = width // GROUP
+    for j in range(block.shape[0]):
+        _widen_int4_span(q[r, j * per_chunk * half:(j + 1) * per_chunk * half],
+                         s[r, j * per_chunk:(j + 1) * per_chunk], block[j, k])
+
+
+@njit(**_OPTS)
+def _widen_int4_span(src, scales, dst):
+    wide_vectors()
+    half = GROUP // 2
+    for g in range(scales.shape[0]):
+        scale = scales[g]
+        for i in range(half):
+            b = src[g * half + i]
+            dst[g * GROUP + i] = (_lo_nibble_f32(b) - np.float32(8.0)) * scale
+            dst[g * GROUP + half + i] = (_hi_nibble_f32(b) - np.float32(8.0)) * scale
+
+
+def _widen_quant_into(q, s, r, k, block):
+    """_widen_int8_into (int8 q) or _widen_int4_into (uint8 planar nibbles), chosen when numba compiles."""
+
+
+@overload(_widen_quant_into)
+def _widen_quant_into_impl(q, s, r, k, block):
+    if q.dtype == types.int8:
+        return lambda q, s, r, k, block: _widen_int8_into(q, s, r, k, block)
+    return lambda q, s, r, k, block: _widen_int4_into(q, s, r, k, block)
+
+
+# Each parallel step takes 16 rows: they are widened to float32 straight into
+# chunks of columns like the tokens' (a last partial group of four padded
+# with zero rows); then, one tile of tokens at a time (kept in L2), each group
 # of four rows is dotted with the tile's tokens chunk by chunk, so the rows'
 # chunk and the tokens' chunks being multiplied stay in L1.
 
@@ -224,14 +273,12 @@ def matmat_bf16(w, x, out):
     width = _chunk_width(cols)
     xs = _chunked_tokens(x, width)
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        row = np.empty(cols, dtype=np.float32)
         blocks = np.empty((_ROW_BLOCK // 4, cols // width, 4, width), dtype=np.float32)
         r_start = b * _ROW_BLOCK
         n_rows = min(_ROW_BLOCK, rows - r_start)
         _zero_padding(blocks, n_rows)
         for i in range(n_rows):
-            _widen_bf16(w, r_start + i, row)
-            _put_row(row, i % 4, blocks[i // 4])
+            _widen_bf16_into(w, r_start + i, i % 4, blocks[i // 4])
         _store_block(blocks, r_start, n_rows, xs, out)
 
 
@@ -262,14 +309,12 @@ def matmat_quant(q, s, x, out):
     width = _chunk_width(cols)
     xs = _chunked_tokens(x, width)
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        row = np.empty(cols, dtype=np.float32)
         blocks = np.empty((_ROW_BLOCK // 4, cols // width, 4, width), dtype=np.float32)
         r_start = b * _ROW_BLOCK
         n_rows = min(_ROW_BLOCK, rows - r_start)
         _zero_padding(blocks, n_rows)
         for i in range(n_rows):
-            _widen_quant(q, s, r_start + i, row)
-            _put_row(row, i % 4, blocks[i // 4])
+            _widen_quant_into(q, s, r_start + i, i % 4, blocks[i // 4])
         _store_block(blocks, r_start, n_rows, xs, out)
 
 
