@@ -1,9 +1,11 @@
 """Matrix-matrix products for several tokens: a prompt's dense projections and grouped experts.
 
-Why: a prompt multiplies every weight matrix by many tokens. Four rows at a
-time, each kernel widens the rows to float32 once (bf16 bits, or int8/int4
-times its group scale), then dots them with every token, two tokens per pass
-and a chunk of columns at a time so that what one pass reads stays in L1.
+Why: a prompt multiplies every weight matrix by many tokens. Sixteen rows at
+a time, each kernel widens the rows to float32 once (bf16 bits, or int8/int4
+times its group scale) straight into chunks of columns, then dots them with
+the tokens one tile at a time (about 256 KiB of tokens, kept in L2), four
+rows by two tokens per pass (`dot4x2`) and a chunk of columns at a time so
+that what one pass reads stays in L1.
 The weights are read once per prompt instead of once per token, and the
 widening, which is most of a quantised matvec's work, is paid once per row.
 Used for the dense projections of a prompt (`linear` with T > 1) and for a
