@@ -291,7 +291,7 @@ class Engine:
         for layer, state in zip(self.layers, self.states):
             t0 = time.perf_counter()
             h = rmsnorm(x, layer.input_norm, cfg.rms_eps)
-            x += layer.mixer.forward(h, self.pos, state)
+            x += layer.mixer.forward(h, self.pos, state, exact=ctx.knobs.PREFILL_EXACT)
             timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0
             if ctx.knobs.PILOT:
                 t0 = time.perf_counter()

@@ -12,8 +12,9 @@ weights, layers and expert source; its own sequence state, RAM cache,
 router, prefetcher and meters) runs short real passes through one layer of
 each kind, once per path a session can take: a prompt with all logits
 (evaluation), a prompt through a RAM cache smaller than the expert count
-(its experts streamed through scratch buffers), decode, each routing
-strategy, the agreement meters, and PILOT's prefetch. Because the twin passes the engine's own arrays
+(its experts streamed through scratch buffers), a prompt with PREFILL_EXACT's
+kernels, decode, each routing strategy, the agreement meters, and PILOT's
+prefetch. Because the twin passes the engine's own arrays
 through the engine's own code, numba meets exactly the argument types the
 session will give it; a GPU tier's CPU fallback runs the RAM path's
 kernels. The loaded engine is not touched: its logits, caches, counters and
@@ -48,6 +49,7 @@ class Step:
 STEPS = (
     Step("prompt and decode", "all", all_logits=True),
     Step("prompt, small cache", "top_k"),
+    Step("prompt exact", "all", {"PREFILL_EXACT": "1"}),
     Step("routing maxrank", "top_k", {"CACHE_ROUTE": "1", "ROUTE_MODE": "maxrank", "ROUTE_ALPHA": "0.5"}),
     Step("routing cumprob", "top_k", {"CACHE_ROUTE": "1", "ROUTE_MODE": "cumprob", "ROUTE_P": "0.5"}),
     Step("routing prior", "top_k", {"CACHE_ROUTE": "1", "ROUTE_MODE": "prior"}),

@@ -10,8 +10,9 @@ two versions round differently makes the logits timing-dependent.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
+from tierlab.engine.kernels.deltanet_prompt import STATE_COLUMNS, gated_deltanet_prompt, gated_deltanet_prompt_exact
 from tierlab.engine.kernels.dense import gated_deltanet
 
 K_HEADS, V_HEADS, DK, DV = 2, 4, 16, 16
@@ -69,7 +70,7 @@ def test_prompt_kernel_is_bit_identical_to_token_by_token_decode():
     exactly what feeding the tokens one at a time through the decode kernel gives."""
     inp = _prompt_inputs(13)
     conv_p, state_p = inp["conv"].copy(), inp["state"].copy()
-    got = _call(gated_deltanet_prompt, inp, slice(0, 13), conv_p, state_p)
+    got = _call(gated_deltanet_prompt_exact, inp, slice(0, 13), conv_p, state_p)
     conv_d, state_d = inp["conv"].copy(), inp["state"].copy()
     for t in range(13):
         one = _call(gated_deltanet, inp, slice(t, t + 1), conv_d, state_d)
@@ -78,12 +79,13 @@ def test_prompt_kernel_is_bit_identical_to_token_by_token_decode():
     np.testing.assert_array_equal(conv_p, conv_d)
 
 
-def test_prompt_kernel_matches_a_float64_delta_rule():
+@pytest.mark.parametrize("kernel", [gated_deltanet_prompt, gated_deltanet_prompt_exact], ids=["fast", "exact"])
+def test_prompt_kernel_matches_a_float64_delta_rule(kernel):
     """The recurrence itself, written out in float64 numpy: conv + SiLU, L2-normalised q and k,
     S = decay * S + k (beta (v - decay S^T k))^T, o = S^T q, gated RMSNorm."""
     inp = _prompt_inputs(9, seed=3)
     conv, state = inp["conv"].copy(), inp["state"].copy()
-    got = _call(gated_deltanet_prompt, inp, slice(0, 9), conv, state)
+    got = _call(kernel, inp, slice(0, 9), conv, state)
     f8 = lambda v: np.asarray(v, np.float64)  # noqa: E731
     hist = np.concatenate([f8(inp["conv"]), f8(inp["mixed"])])
     S = f8(inp["state"]).copy()
@@ -108,3 +110,34 @@ def test_prompt_kernel_matches_a_float64_delta_rule():
             ref = f8(inp["norm_w"]) * o / np.sqrt((o * o).mean() + 1e-6) * zt / (1 + np.exp(-zt))
             np.testing.assert_allclose(got[t, h * DV:(h + 1) * DV], ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(state, S, rtol=1e-4, atol=1e-6)
+
+
+def test_fast_prompt_kernel_agrees_with_the_exact_one_across_state_blocks_and_calls():
+    """Value heads wider than one block of state columns (two full blocks and a partial one),
+    a prompt fed in two calls: every output and the final conv and recurrent state agree with
+    the exact kernel within float32 rounding."""
+    kh, vh, dk, dv, tokens = 2, 4, 24, 2 * STATE_COLUMNS + 8, 21
+    channels = 2 * kh * dk + vh * dv
+    rng = np.random.default_rng(5)
+    f = lambda *shape, s=1.0: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
+    mixed, z, b, a = f(tokens, channels), f(tokens, vh * dv, s=3.0), f(tokens, vh), f(tokens, vh)
+    conv0, conv_w, state0 = f(3, channels, s=0.1), f(channels, 4, s=0.5), f(vh, dk, dv, s=0.1)
+    a_log, dt_bias, norm_w = np.log(rng.random(vh) * 8 + 0.5).astype(np.float32), f(vh, s=0.5), f(dv, s=0.2)
+
+    def run(kernel, cuts):
+        conv, state = conv0.copy(), state0.copy()
+        outs = []
+        for lo, hi in cuts:
+            out = np.empty((hi - lo, vh * dv), np.float32)
+            c = lambda v: np.ascontiguousarray(v[lo:hi])  # noqa: E731
+            kernel(c(mixed), conv, conv_w, c(z), c(b), c(a), a_log, dt_bias, norm_w, np.float32(1e-6), state,
+                   kh, vh, dk, dv, out)
+            outs.append(out)
+        return np.concatenate(outs), conv, state
+
+    exact, conv_e, state_e = run(gated_deltanet_prompt_exact, [(0, tokens)])
+    for cuts in ([(0, tokens)], [(0, 2), (2, tokens)], [(0, 1), (1, 13), (13, tokens)]):
+        got, conv, state = run(gated_deltanet_prompt, cuts)
+        np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(state, state_e, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(conv, conv_e)

@@ -55,6 +55,20 @@ def test_decode_steps_match_transformers(oracle_models, references, name):
         assert rel_err(logits, ref_logits[i]) < REL
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_fast_prompt_kernels_agree_with_the_exact_ones(oracle_models, references, name):
+    """A prompt's default kernels (DeltaNet by blocks of state columns, attention as blocked
+    products, grouped experts) and PREFILL_EXACT's (decode's arithmetic): every position's logits
+    within float32 noise of each other and within REL of transformers, the same greedy tokens."""
+    _, folder = oracle_models[name]
+    full, ref_logits = references[name]
+    fast = load_engine(folder, knobs=Knobs.from_env({})).prefill(full, all_logits=True)
+    exact = load_engine(folder, knobs=Knobs.from_env(PREFILL_EXACT="1")).prefill(full, all_logits=True)
+    assert rel_err(fast, exact) < 1e-5
+    assert rel_err(fast, ref_logits) < REL and rel_err(exact, ref_logits) < REL
+    assert np.array_equal(fast.argmax(1), exact.argmax(1))
+
+
 def test_fused_layout_is_detected(oracle_models):
     engine = load_engine(oracle_models["qwen3_5_moe_fused_vl"][1])
     assert engine.ckpt.fused_experts and engine.ckpt.prefix == "model.language_model."

@@ -227,9 +227,7 @@ def deltanet_head(hv, hk, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, ep
     and once more to be updated (instead of being updated twice).
     """
     dk = k.shape[1]
-    beta = _sigmoid(b[t, hv])
-    g = -np.float32(math.exp(a_log[hv])) * _softplus(a[t, hv] + dt_bias[hv])
-    decay = np.float32(math.exp(g))
+    beta, decay = deltanet_gates(t, hv, b, a, a_log, dt_bias)
     sk = np.zeros(dv, dtype=np.float32)
     sq = np.zeros(dv, dtype=np.float32)
     kq = np.float32(0.0)
@@ -250,13 +248,27 @@ def deltanet_head(hv, hk, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, ep
         ki = k[hk, i]
         for j in range(dv):
             state[hv, i, j] = decay * state[hv, i, j] + ki * delta[j]
-    # gated RMSNorm with the plain weight, then * silu(z)
+    gated_rmsnorm(o, z, norm_w, eps, t, hv * dv, out)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def deltanet_gates(t, hv, b, a, a_log, dt_bias):
+    """(beta, decay) of value head hv at token t: the delta rule's step size and its forget gate."""
+    beta = _sigmoid(b[t, hv])
+    g = -np.float32(math.exp(a_log[hv])) * _softplus(a[t, hv] + dt_bias[hv])
+    return beta, np.float32(math.exp(g))
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def gated_rmsnorm(o, z, norm_w, eps, t, base, out):
+    """out[t, base:base+dv] = RMSNorm(o) (plain weight) * silu(z[t, base:base+dv]) for one head's o [dv]."""
+    dv = o.shape[0]
     ss = np.float32(0.0)
     for j in range(dv):
         ss += o[j] * o[j]
     inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
     for j in range(dv):
-        out[t, hv * dv + j] = norm_w[j] * (o[j] * inv) * _silu(z[t, hv * dv + j])
+        out[t, base + j] = norm_w[j] * (o[j] * inv) * _silu(z[t, base + j])
 
 
 @njit(nogil=True, fastmath=False, cache=True)

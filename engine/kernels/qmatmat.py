@@ -1,9 +1,11 @@
 """Matrix-matrix products for several tokens: a prompt's dense projections and grouped experts.
 
-Why: a prompt multiplies every weight matrix by many tokens. Four rows at a
-time, each kernel widens the rows to float32 once (bf16 bits, or int8/int4
-times its group scale), then dots them with every token, two tokens per pass
-and a chunk of columns at a time so that what one pass reads stays in L1.
+Why: a prompt multiplies every weight matrix by many tokens. Sixteen rows at
+a time, each kernel widens the rows to float32 once (bf16 bits, or int8/int4
+times its group scale) straight into chunks of columns, then dots them with
+the tokens one tile at a time (about 256 KiB of tokens, kept in L2), four
+rows by two tokens per pass (`dot4x2`) and a chunk of columns at a time so
+that what one pass reads stays in L1.
 The weights are read once per prompt instead of once per token, and the
 widening, which is most of a quantised matvec's work, is paid once per row.
 Used for the dense projections of a prompt (`linear` with T > 1) and for a
@@ -66,7 +68,7 @@ _OPTS = dict(nogil=True, cache=True, fastmath=True)
 
 
 @njit(**_OPTS)
-def _dot4x2(w4, xa, xb):
+def dot4x2(w4, xa, xb):
     """Four rows (w4 [4, n]) dotted with two tokens' columns (xa, xb [n]) in one pass: six loads
     feed eight FMAs. A token alone goes in as xa = xb, so its sums come out of the same
     instructions whoever it is paired with."""
@@ -119,46 +121,58 @@ def _chunked_tokens(x, width):
 
 
 @njit(**_OPTS)
-def _put_row(row, k, block):
-    """Row k of a four-row group, chunked like the tokens: block [chunks, 4, width]."""
-    width = block.shape[2]
-    for j in range(block.shape[0]):
-        for c in range(width):
-            block[j, k, c] = row[j * width + c]
+def _token_tile(cols):
+    """Tokens per tile (even): a tile's columns, about 256 KiB, stay in L2 beside the row block
+    while every group of four rows goes over them."""
+    tile = (1 << 18) // (4 * cols)
+    tile -= tile % 2
+    return max(2, tile)
 
 
 @njit(**_OPTS)
-def _store_rows(block, xs, r0, n, acc, out):
-    """out[t, r0:r0+n] for every token: the four rows of `block` (rows past n are zeros) against
-    every token, two tokens per pass, chunk by chunk. A row's and a token's sums depend only on
-    their own values (and the token's parity), never on T or on the other rows."""
-    t_count = xs.shape[1]
+def _store_rows(block, xs, t0, t1, r0, n, acc, out):
+    """out[t, r0:r0+n] for tokens t0..t1-1: the four rows of `block` (rows past n are zeros)
+    against those tokens, two tokens per pass, chunk by chunk. A row's and a token's sums depend
+    only on their own values (and the token's parity; t0 is even), never on T or on the other rows."""
     acc[:] = 0.0
     for j in range(block.shape[0]):
         wj = block[j]
         xj = xs[j]
-        for t in range(0, t_count, 2):
-            u = min(t + 1, t_count - 1)
-            a0, a1, a2, a3, b0, b1, b2, b3 = _dot4x2(wj, xj[t], xj[u])
-            acc[t, 0] += a0
-            acc[t, 1] += a1
-            acc[t, 2] += a2
-            acc[t, 3] += a3
+        for t in range(t0, t1, 2):
+            u = min(t + 1, t1 - 1)
+            a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(wj, xj[t], xj[u])
+            acc[t - t0, 0] += a0
+            acc[t - t0, 1] += a1
+            acc[t - t0, 2] += a2
+            acc[t - t0, 3] += a3
             if u != t:
-                acc[u, 0] += b0
-                acc[u, 1] += b1
-                acc[u, 2] += b2
-                acc[u, 3] += b3
-    for t in range(t_count):
+                acc[u - t0, 0] += b0
+                acc[u - t0, 1] += b1
+                acc[u - t0, 2] += b2
+                acc[u - t0, 3] += b3
+    for t in range(t0, t1):
         for k in range(n):
-            out[t, r0 + k] = acc[t, k]
+            out[t, r0 + k] = acc[t - t0, k]
 
 
 @njit(**_OPTS)
-def _widen_bf16(w, r, row):
-    wide_vectors()
-    for c in range(row.shape[0]):
-        row[c] = bf16_f32(w[r, c])
+def _store_block(blocks, r_start, n_rows, xs, out):
+    """out[:, r_start:r_start+n_rows] from the widened rows of one step (blocks [groups, chunks,
+    4, width]), token tile by token tile, so that the tile and the rows stay in L2."""
+    t_count, width = xs.shape[1], xs.shape[2]
+    tile = _token_tile(xs.shape[0] * width)
+    acc = np.empty((tile, 4), dtype=np.float32)
+    for t0 in range(0, t_count, tile):
+        t1 = min(t_count, t0 + tile)
+        for g in range((n_rows + 3) // 4):
+            _store_rows(blocks[g], xs, t0, t1, r_start + 4 * g, min(4, n_rows - 4 * g), acc, out)
+
+
+@njit(**_OPTS)
+def _zero_padding(blocks, n_rows):
+    """Zeros in the rows of the last group of four that lie past n_rows."""
+    if n_rows % 4:
+        blocks[n_rows // 4, :, n_rows % 4:, :] = 0.0
 
 
 @njit(**_OPTS)
@@ -182,10 +196,76 @@ def _widen_int4(q, s, r, row):
             row[g * GROUP + half + j] = (_hi_nibble_f32(b) - np.float32(8.0)) * scale
 
 
-# Each parallel step takes 16 rows, four at a time: the four rows are widened
-# to float32 (a last partial group padded with zero rows), cut into chunks of
-# columns like the tokens, and dotted with every token chunk by chunk, so the
-# rows' chunk and the tokens' chunks being multiplied stay in L1.
+@njit(**_OPTS)
+def _widen_bf16_into(w, r, k, block):
+    """Row r of a bf16 w as float32, straight into row k of a four-row group (block [chunks, 4, width])."""
+    width = block.shape[2]
+    for j in range(block.shape[0]):
+        _widen_bf16_span(w[r, j * width:(j + 1) * width], block[j, k])
+
+
+@njit(**_OPTS)
+def _widen_bf16_span(src, dst):
+    wide_vectors()
+    for c in range(dst.shape[0]):
+        dst[c] = bf16_f32(src[c])
+
+
+@njit(**_OPTS)
+def _widen_int8_into(q, s, r, k, block):
+    width = block.shape[2]
+    per_chunk = width // GROUP
+    for j in range(block.shape[0]):
+        _widen_int8_span(q[r, j * width:(j + 1) * width], s[r, j * per_chunk:(j + 1) * per_chunk], block[j, k])
+
+
+@njit(**_OPTS)
+def _widen_int8_span(src, scales, dst):
+    wide_vectors()
+    for g in range(scales.shape[0]):
+        scale = scales[g]
+        for i in range(GROUP):
+            dst[g * GROUP + i] = _i8_f32(src[g * GROUP + i]) * scale
+
+
+@njit(**_OPTS)
+def _widen_int4_into(q, s, r, k, block):
+    half = GROUP // 2
+    width = block.shape[2]
+    per_chunk = width // GROUP
+    for j in range(block.shape[0]):
+        _widen_int4_span(q[r, j * per_chunk * half:(j + 1) * per_chunk * half],
+                         s[r, j * per_chunk:(j + 1) * per_chunk], block[j, k])
+
+
+@njit(**_OPTS)
+def _widen_int4_span(src, scales, dst):
+    wide_vectors()
+    half = GROUP // 2
+    for g in range(scales.shape[0]):
+        scale = scales[g]
+        for i in range(half):
+            b = src[g * half + i]
+            dst[g * GROUP + i] = (_lo_nibble_f32(b) - np.float32(8.0)) * scale
+            dst[g * GROUP + half + i] = (_hi_nibble_f32(b) - np.float32(8.0)) * scale
+
+
+def _widen_quant_into(q, s, r, k, block):
+    """_widen_int8_into (int8 q) or _widen_int4_into (uint8 planar nibbles), chosen when numba compiles."""
+
+
+@overload(_widen_quant_into)
+def _widen_quant_into_impl(q, s, r, k, block):
+    if q.dtype == types.int8:
+        return lambda q, s, r, k, block: _widen_int8_into(q, s, r, k, block)
+    return lambda q, s, r, k, block: _widen_int4_into(q, s, r, k, block)
+
+
+# Each parallel step takes 16 rows: they are widened to float32 straight into
+# chunks of columns like the tokens' (a last partial group of four padded
+# with zero rows); then, one tile of tokens at a time (kept in L2), each group
+# of four rows is dotted with the tile's tokens chunk by chunk, so the rows'
+# chunk and the tokens' chunks being multiplied stay in L1.
 
 
 @njit(**dict(_OPTS, parallel=True))
@@ -195,18 +275,13 @@ def matmat_bf16(w, x, out):
     width = _chunk_width(cols)
     xs = _chunked_tokens(x, width)
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        row = np.empty(cols, dtype=np.float32)
-        block = np.zeros((cols // width, 4, width), dtype=np.float32)
-        acc = np.empty((x.shape[0], 4), dtype=np.float32)
-        for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
-            n = min(4, rows - r0)
-            for k in range(4):
-                if k < n:
-                    _widen_bf16(w, r0 + k, row)
-                else:
-                    row[:] = 0.0
-                _put_row(row, k, block)
-            _store_rows(block, xs, r0, n, acc, out)
+        blocks = np.empty((_ROW_BLOCK // 4, cols // width, 4, width), dtype=np.float32)
+        r_start = b * _ROW_BLOCK
+        n_rows = min(_ROW_BLOCK, rows - r_start)
+        _zero_padding(blocks, n_rows)
+        for i in range(n_rows):
+            _widen_bf16_into(w, r_start + i, i % 4, blocks[i // 4])
+        _store_block(blocks, r_start, n_rows, xs, out)
 
 
 def _widen_quant(q, s, r, row):
@@ -236,18 +311,13 @@ def matmat_quant(q, s, x, out):
     width = _chunk_width(cols)
     xs = _chunked_tokens(x, width)
     for b in prange((rows + _ROW_BLOCK - 1) // _ROW_BLOCK):
-        row = np.empty(cols, dtype=np.float32)
-        block = np.zeros((cols // width, 4, width), dtype=np.float32)
-        acc = np.empty((x.shape[0], 4), dtype=np.float32)
-        for r0 in range(b * _ROW_BLOCK, min(rows, (b + 1) * _ROW_BLOCK), 4):
-            n = min(4, rows - r0)
-            for k in range(4):
-                if k < n:
-                    _widen_quant(q, s, r0 + k, row)
-                else:
-                    row[:] = 0.0
-                _put_row(row, k, block)
-            _store_rows(block, xs, r0, n, acc, out)
+        blocks = np.empty((_ROW_BLOCK // 4, cols // width, 4, width), dtype=np.float32)
+        r_start = b * _ROW_BLOCK
+        n_rows = min(_ROW_BLOCK, rows - r_start)
+        _zero_padding(blocks, n_rows)
+        for i in range(n_rows):
+            _widen_quant_into(q, s, r_start + i, i % 4, blocks[i // 4])
+        _store_block(blocks, r_start, n_rows, xs, out)
 
 
 def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:

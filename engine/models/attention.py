@@ -3,6 +3,10 @@
 Shared by both architectures: Qwen3-MoE uses plain norms and no output
 gate; Qwen3.5/3.6 uses zero-centred norms and a per-head sigmoid gate that
 rides along in q_proj (per head: query(d) | gate(d)).
+
+A prompt's attention runs as blocked products over all its tokens
+(kernels/attention_prompt.py); with PREFILL_EXACT, and for one token, the
+token-by-token kernel `dense.attention`, so a prompt gets decode's bits.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
+from tierlab.engine.kernels.attention_prompt import attention_prompt
 from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace
 
 
@@ -71,8 +76,9 @@ class Attention:
     def new_state(self) -> KVCache:
         return KVCache(self.cfg.n_kv_heads, self.cfg.head_dim)
 
-    def forward(self, x: np.ndarray, start: int, cache: KVCache) -> np.ndarray:
-        """x: normed hidden states [T, H] at positions start..start+T-1."""
+    def forward(self, x: np.ndarray, start: int, cache: KVCache, exact: bool = False) -> np.ndarray:
+        """x: normed hidden states [T, H] at positions start..start+T-1; `exact`: a prompt gets
+        decode's bits (PREFILL_EXACT)."""
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -97,7 +103,7 @@ class Attention:
         cache.k[:, start:start + T] = k.transpose(1, 0, 2)
         cache.v[:, start:start + T] = v.transpose(1, 0, 2)
         out = np.empty((T, nh, d), dtype=np.float32)
-        attention(q, cache.k, cache.v, start, out)
+        (attention if T == 1 or exact else attention_prompt)(q, cache.k, cache.v, start, out)
         out = out.reshape(T, nh * d)
         if gate is not None:
             out = out * (1.0 / (1.0 + np.exp(-gate)))

@@ -2,9 +2,10 @@
 
 State per layer: the last K-1 inputs of the depthwise causal conv and a
 float32 recurrent matrix per value head. Decode walks one token's heads in
-parallel; a prompt runs each head through all its tokens on one thread
-(kernels/deltanet_prompt.py, the same arithmetic); the projections before
-and after it use matrix-matrix work for a prompt.
+parallel; a prompt runs each block of a head's state columns through all its
+tokens on one thread (kernels/deltanet_prompt.py; with PREFILL_EXACT the
+decode kernel's arithmetic, head by head, bit-identical to decode); the
+projections before and after it use matrix-matrix work for a prompt.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
-from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
+from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt, gated_deltanet_prompt_exact
 from tierlab.engine.kernels.dense import gated_deltanet, linear
 
 
@@ -70,14 +71,18 @@ class GatedDeltaNet:
             recurrent=np.zeros((cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), dtype=np.float32),
         )
 
-    def forward(self, x: np.ndarray, start: int, state: DeltaNetState) -> np.ndarray:
+    def forward(self, x: np.ndarray, start: int, state: DeltaNetState, exact: bool = False) -> np.ndarray:
+        """x: normed hidden states [T, H]; `exact`: a prompt gets decode's bits (PREFILL_EXACT)."""
         cfg = self.cfg
         T = x.shape[0]
         y = linear(self.w_in, x)
         c, zc, bc = self.splits
         mixed, z, b, a = y[:, :c], y[:, c:zc], y[:, zc:bc], y[:, bc:]
         out = np.empty((T, cfg.lin_v_heads * cfg.lin_v_dim), dtype=np.float32)
-        kernel = gated_deltanet if T == 1 else gated_deltanet_prompt
+        if T == 1:
+            kernel = gated_deltanet
+        else:
+            kernel = gated_deltanet_prompt_exact if exact else gated_deltanet_prompt
         kernel(
             np.ascontiguousarray(mixed), state.conv, self.conv_w, np.ascontiguousarray(z),
             np.ascontiguousarray(b), np.ascontiguousarray(a), self.a_log, self.dt_bias, self.norm_w,
