@@ -27,6 +27,14 @@ def read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
+def dense_kind(path: str) -> str:
+    """The type the GGUF stores its lm_head (output.weight) in: the dense column of a table row."""
+    import gguf
+
+    types = {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors}
+    return types.get("output.weight", "?")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", required=True)
@@ -88,6 +96,7 @@ def main() -> None:
         "disk_mb_per_token": (io2 - io1) / a.tokens / 2**20, "prefill_disk_mb": (io1 - io0) / 2**20,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "threads": a.threads, "repack": bool(llm.model_params.use_extra_bufts), "ids": ids,
+        "dense_kind": dense_kind(a.gguf),
         "first_logits_head": [round(float(x), 4) for x in first[:8]],
     }))
 
