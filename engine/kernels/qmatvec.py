@@ -593,34 +593,49 @@ def _avx2_int4_rows_loop(context, builder, signature, args, bits):
     ones = ir.Constant(_V16S, [1] * 16)
     zero = ir.Constant(_V8F, [0.0] * _NARROW)
 
-    def sweep(rows):
-        def body(g, accs):
-            block, half = builder.sdiv(g, ir.Constant(_I64, 2)), builder.srem(g, ir.Constant(_I64, 2))
-            # digits of this group: block * 384 + d * 128 + operand * 64 + 32 * half
-            d0 = builder.add(builder.mul(block, ir.Constant(_I64, 384)), builder.mul(half, ir.Constant(_I64, 32)))
-            lanes = builder.add(builder.mul(block, ir.Constant(_I64, 16)), builder.mul(half, ir.Constant(_I64, 8)))
-            xd = [[_load_vec(builder, digits, builder.add(d0, ir.Constant(_I64, 128 * d + 64 * op)), _V32B, 1)
-                   for op in range(2)] for d in range(3)]
-            u = _load_vec(builder, unit, lanes, _V8F, 4)
-            c = _load_vec(builder, corr, lanes, _V8I, 4)
-            start = builder.mul(g, ir.Constant(_I64, 32))
-            out = []
-            for (q, s), acc in zip(rows, accs):
-                _prefetch(builder, q, builder.add(start, ahead))
-                raw = _load_vec(builder, q, start, _V32B, 1)
-                ops = [builder.and_(raw, ir.Constant(_V32B, [15] * 32)), builder.lshr(raw, ir.Constant(_V32B, [4] * 32))]
-                total = None
-                for d in range(3):
-                    pairs = builder.add(builder.call(ubsw, [ops[0], xd[d][0]]), builder.call(ubsw, [ops[1], xd[d][1]]))
-                    part = builder.call(wd, [pairs, ones])
-                    total = part if total is None else builder.add(builder.shl(total, ir.Constant(_V8I, [_DIGIT_BITS] * 8)), part)
-                total = builder.sub(total, c)
-                weight = builder.fmul(u, _splat(builder, builder.load(builder.gep(s, [g])), _V8F), flags=_FAST)
-                out.append(builder.fadd(builder.fmul(builder.sitofp(total, _V8F), weight, flags=_FAST), acc, flags=_FAST))
-            return out
+    def group(rows, accs, block, half):
+        """accs + the rows' group 2 block + half (half a constant 0 or 1: its digits, units
+        and offsets lie at constant distances from the block's)."""
+        # digits of this group: block * 384 + d * 128 + operand * 64 + 32 * half
+        d0 = builder.add(builder.mul(block, ir.Constant(_I64, 384)), ir.Constant(_I64, 32 * half))
+        lanes = builder.add(builder.mul(block, ir.Constant(_I64, 16)), ir.Constant(_I64, 8 * half))
+        g = builder.add(builder.mul(block, ir.Constant(_I64, 2)), ir.Constant(_I64, half))
+        xd = [[_load_vec(builder, digits, builder.add(d0, ir.Constant(_I64, 128 * d + 64 * op)), _V32B, 1)
+               for op in range(2)] for d in range(3)]
+        u = _load_vec(builder, unit, lanes, _V8F, 4)
+        c = _load_vec(builder, corr, lanes, _V8I, 4)
+        start = builder.mul(g, ir.Constant(_I64, 32))
+        out = []
+        for (q, s), acc in zip(rows, accs):
+            _prefetch(builder, q, builder.add(start, ahead))
+            raw = _load_vec(builder, q, start, _V32B, 1)
+            ops = [builder.and_(raw, ir.Constant(_V32B, [15] * 32)), builder.lshr(raw, ir.Constant(_V32B, [4] * 32))]
+            total = None
+            for d in range(3):
+                pairs = builder.add(builder.call(ubsw, [ops[0], xd[d][0]]), builder.call(ubsw, [ops[1], xd[d][1]]))
+                part = builder.call(wd, [pairs, ones])
+                total = part if total is None else builder.add(builder.shl(total, ir.Constant(_V8I, [_DIGIT_BITS] * 8)), part)
+            total = builder.sub(total, c)
+            weight = builder.fmul(u, _splat(builder, builder.load(builder.gep(s, [g])), _V8F), flags=_FAST)
+            out.append(builder.fadd(builder.fmul(builder.sitofp(total, _V8F), weight, flags=_FAST), acc, flags=_FAST))
+        return out
 
-        accs = _counted_loop(builder, n_groups, [zero] * len(rows), body)
-        return [_reduce8(builder, acc) for acc in accs]
+    def sweep(rows):
+        blocks = builder.sdiv(n_groups, ir.Constant(_I64, 2))
+        accs = _counted_loop(builder, blocks, [zero] * len(rows),
+                             lambda b, accs: group(rows, group(rows, accs, b, 0), b, 1))
+        odd = builder.icmp_signed("!=", builder.srem(n_groups, ir.Constant(_I64, 2)), ir.Constant(_I64, 0))
+        before = builder.block
+        with builder.if_then(odd):  # the odd last group
+            tails = group(rows, accs, blocks, 0)
+            inside = builder.block
+        merged = []
+        for acc, tail in zip(accs, tails):
+            phi = builder.phi(_V8F)
+            phi.add_incoming(acc, before)
+            phi.add_incoming(tail, inside)
+            merged.append(phi)
+        return [_reduce8(builder, acc) for acc in merged]
 
     pairs = list(zip(qs, ss))
     results = []
