@@ -29,6 +29,9 @@ release the GIL, so a loader thread keeps running while an expert computes):
 ``expert_forward_fp32/bf16/int8/int4(blob, hidden, inter, x, y, w)``
 (y += w * down(silu(gate x) * (up x)); x, y float32[H]; the blob may be
 longer than one expert, e.g. a RAM slot). ``EXPERT_FORWARD`` maps kind -> function.
+``experts_forward(kind, store, slots, hidden, inter, x, out, out_rows)`` runs a
+token's experts of one layer, each a slot of a RAM store, in two parallel
+launches for all of them, bit for bit what ``EXPERT_FORWARD`` gives each.
 Measured speeds and what each trick bought: docs/benchmarks.md, "Kernels".
 """
 
