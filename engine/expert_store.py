@@ -333,9 +333,10 @@ class ExpertStore:
 
         GPU-resident experts run on the device while the CPU computes the rest from RAM: the
         RAM-resident ones in one launch pair for all of them (`experts_forward`), while the
-        token's misses after the first are read in the background, then the misses one by one. Adds to timers "fetch", "compute" and "tier". Returns (RAM hits, RAM
-        misses, the slots the device computed, the shadow counts of `stock` — the router's
-        stock top-K — or None without one).
+        token's misses after the first are read in the background, then the misses one by
+        one. Adds to timers "fetch", "compute" and "tier". Returns (RAM hits, RAM misses, the
+        slots the device computed, the shadow counts of `stock` — the router's stock top-K —
+        or None without one).
         """
         K = chosen.shape[0]
         source = self._source

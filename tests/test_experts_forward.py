@@ -105,3 +105,5 @@ def test_bad_operands_are_refused():
         K.experts_forward("int4", store, np.array([0]), 128, 64, x, out, np.array([2]))
     with pytest.raises(ValueError, match="experts_forward"):
         K.experts_forward("int4", store[:, :-1], np.array([0]), 128, 64, x, out, np.array([0]))
+    with pytest.raises(ValueError, match="distinct out_rows"):
+        K.experts_forward("int4", store, np.array([0, 1]), 128, 64, x, out, np.array([1, 1]))
