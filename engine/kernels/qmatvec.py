@@ -1239,18 +1239,20 @@ def experts_forward(kind: str, store: np.ndarray, slots: np.ndarray, hidden: int
     if n == 0:
         return
     nbytes = blob_nbytes(kind, hidden, inter)
+    slot_list, row_list = slots.tolist(), out_rows.tolist()  # checked as lists: numpy's min/max cost microseconds
     if (store.ndim != 2 or store.dtype != np.uint8 or not store.flags.c_contiguous or store.shape[1] < nbytes
             or out.ndim != 2 or out.shape[1] != hidden or out.dtype != np.float32 or not out.flags.c_contiguous
             or x.shape != (hidden,) or out_rows.shape != (n,)
-            or slots.min() < 0 or slots.max() >= store.shape[0] or out_rows.min() < 0 or out_rows.max() >= out.shape[0]
-            or np.unique(out_rows).shape[0] != n):  # two experts adding to one row at once would race
+            or min(slot_list) < 0 or max(slot_list) >= store.shape[0] or min(row_list) < 0 or max(row_list) >= out.shape[0]
+            or len(set(row_list)) != n):  # two experts adding to one row at once would race
         raise ValueError(f"experts_forward needs a C uint8 store [slots, >= {nbytes}], x[{hidden}], C float32 "
                          f"out[rows, {hidden}], slots in range and distinct out_rows in range; got store{store.shape} {store.dtype}, "
                          f"x{x.shape}, out{out.shape} {out.dtype}, slots {slots}, out_rows {out_rows}")
     marker = _WEIGHT_MARKER[kind]
     h = np.empty((n, inter), np.float32)
-    _experts(store, slots, marker, hidden, inter, _f32(x), h, out, out_rows, GATE_UP, 1.0)
-    _experts(store, slots, marker, hidden, inter, _f32(x), h, out, out_rows, ADD, 1.0)
+    x = _f32(x)
+    _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, GATE_UP, 1.0)
+    _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, ADD, 1.0)
 
 
 EXPERT_FORWARD = {
