@@ -61,7 +61,7 @@ from tierlab.engine import hugepages
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.events import LEVEL_GPU
 from tierlab.engine.kernels.qmatmat import expert_matmat
-from tierlab.engine.kernels.qmatvec import expert_forward_tokens
+from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.tiers.opencl_tier import TierFailure
 
@@ -361,11 +361,12 @@ class ExpertStore:
                 timers: dict, stock: np.ndarray | None = None) -> tuple[int, int, list[int], Shadow | None]:
         """outputs[s] = expert chosen[s] applied to x, unweighted, for every slot with chosen[s] >= 0.
 
-        GPU-resident experts run on the device while the CPU computes the rest from RAM (a
-        token's misses after the first are read in the background while earlier experts
-        compute). Adds to timers "fetch", "compute" and "tier". Returns (RAM hits, RAM
-        misses, the slots the device computed, the shadow counts of `stock` — the router's
-        stock top-K — or None without one).
+        GPU-resident experts run on the device while the CPU computes the rest from RAM: the
+        RAM-resident ones in one launch pair for all of them (`experts_forward`), while the
+        token's misses after the first are read in the background, then the misses one by
+        one. Adds to timers "fetch", "compute" and "tier". Returns (RAM hits, RAM misses, the
+        slots the device computed, the shadow counts of `stock` — the router's stock top-K —
+        or None without one).
         """
         K = chosen.shape[0]
         source = self._source
@@ -386,18 +387,28 @@ class ExpertStore:
         held = self.acquire(layer, [int(chosen[s]) for s in cpu_slots]) if len(cpu_slots) > 1 else None
         if held is not None:
             try:
+                resident = [i for i in range(len(cpu_slots)) if held.hit(i)]
+                if resident:  # one launch pair for all of them, while the misses are read
+                    t0 = time.perf_counter()
+                    experts_forward(source.kind, self._layers[layer]["store"],
+                                    np.array([held.plan[i][1] for i in resident], dtype=np.int64),
+                                    source.hidden, source.inter, x, outputs,
+                                    np.array([cpu_slots[i] for i in resident], dtype=np.int64))
+                    timers["compute"] += time.perf_counter() - t0
+                    hits += len(resident)
+                    for i in resident:
+                        realised[int(chosen[cpu_slots[i]])] = 1
                 for i, s in enumerate(cpu_slots):
+                    if held.hit(i):
+                        continue
                     t0 = time.perf_counter()
                     blob = self.blob(held, i)
                     t1 = time.perf_counter()
                     source.forward(blob, x, outputs[s], 1.0)
                     timers["fetch"] += t1 - t0
                     timers["compute"] += time.perf_counter() - t1
-                    if held.hit(i):
-                        hits += 1
-                    else:
-                        misses += 1
-                    realised[int(chosen[s])] = int(held.hit(i))
+                    misses += 1
+                    realised[int(chosen[s])] = 0
             finally:
                 self.release(held)
             cpu_slots = []

@@ -24,6 +24,7 @@ from tierlab.engine.kernels import qmatvec as K
 
 SHAPES = ((512, 2048), (2048, 512))
 KINDS = ("fp32", "bf16", "int8", "int4")
+LAYER_EXPERTS = 8  # Qwen3.6-35B-A3B's routed experts per token and layer
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / GROUP, "int4": 0.5 + 4.0 / GROUP}
 
 
@@ -47,6 +48,10 @@ class KernelReport:
     matvec_best: dict[str, float] = field(default_factory=dict)
     matvec_by_shape: dict[str, dict[str, float]] = field(default_factory=dict)
     fused_expert: dict[str, float] = field(default_factory=dict)  # Gweights/s of gate+up+down
+    # a layer's LAYER_EXPERTS routed experts, Gweights/s: in one launch pair (experts_forward, as the
+    # store computes RAM-resident experts) and with one launch pair per expert
+    layer_experts: dict[str, float] = field(default_factory=dict)
+    layer_experts_each: dict[str, float] = field(default_factory=dict)
     roofline_share: dict[str, float] = field(default_factory=dict)
     # one thread, Gweights per second of that thread's CPU time (p10 over calls):
     # what a core does when it is not descheduled, robust to a busy shared machine
@@ -67,6 +72,8 @@ class KernelReport:
             "matvec_best": self.matvec_best,
             "matvec_by_shape": self.matvec_by_shape,
             "fused_expert": self.fused_expert,
+            "layer_experts": self.layer_experts,
+            "layer_experts_each": self.layer_experts_each,
             "roofline_share": self.roofline_share,
             "per_core_cpu": self.per_core_cpu,
             "expert_read_gbs": self.expert_read_gbs,
@@ -257,6 +264,17 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
         fn = K.EXPERT_FORWARD[kind]
         timing = _time_calls(lambda i: fn(blobs[i % len(blobs)], hidden, inter, x, y, 0.5), calls // 2 + 1, min_s)
         report.fused_expert[kind] = round(3 * hidden * inter / timing.median_s / 1e9, 2)
+        # a token's experts of one layer: LAYER_EXPERTS different slots of the arena per call
+        n = LAYER_EXPERTS
+        outs = np.zeros((n, hidden), dtype=np.float32)
+        rows = np.arange(n)
+        sets = [np.arange(j * n, j * n + n) % copies for j in range(max(1, copies // n))]
+        one = _time_calls(lambda i: K.experts_forward(kind, arena, sets[i % len(sets)], hidden, inter, x, outs, rows),
+                          calls // 8 + 1, min_s)
+        each = _time_calls(lambda i: [fn(arena[s], hidden, inter, x, outs[k], 1.0) for k, s in enumerate(sets[i % len(sets)])],
+                           calls // 8 + 1, min_s)
+        report.layer_experts[kind] = round(n * 3 * hidden * inter / one.median_s / 1e9, 2)
+        report.layer_experts_each[kind] = round(n * 3 * hidden * inter / each.median_s / 1e9, 2)
 
     if progress:
         progress("bandwidth again")
@@ -281,7 +299,8 @@ def format_report(report: KernelReport) -> str:
         f"threads {report.threads} | stream read {report.bandwidth_gbs:.1f} GB/s (numba; before / after the kernels "
         f"{' / '.join(f'{b:.1f}' for b in report.bandwidth_runs_gbs)}), "
         f"{report.bandwidth_numpy_gbs:.1f} GB/s (numpy, 1 thread) | working set {report.working_set_mb:.0f} MiB",
-        f"{'kind':<6}{'B/weight':>10}{'512x2048':>10}{'2048x512':>10}{'median':>9}{'best':>8}{'roofline':>10}{'fused':>8}",
+        f"{'kind':<6}{'B/weight':>10}{'512x2048':>10}{'2048x512':>10}{'median':>9}{'best':>8}{'roofline':>10}{'fused':>8}"
+        f"{'layer':>8}{'each':>8}",
     ]
     for kind in KINDS:
         by = report.matvec_by_shape.get(kind, {})
@@ -289,9 +308,12 @@ def format_report(report: KernelReport) -> str:
             f"{kind:<6}{BYTES_PER_WEIGHT[kind]:>10.4f}{by.get('512x2048', 0):>10.2f}{by.get('2048x512', 0):>10.2f}"
             f"{report.matvec.get(kind, 0):>9.2f}{report.matvec_best.get(kind, 0):>8.2f}"
             f"{100 * report.roofline_share.get(kind, 0):>9.0f}%{report.fused_expert.get(kind, 0):>8.2f}"
+            f"{report.layer_experts.get(kind, 0):>8.2f}{report.layer_experts_each.get(kind, 0):>8.2f}"
         )
     lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / stream GB/s; "
                  f"int8/int4 by {_INT_PATH_WORDS.get(report.int_path, report.int_path)}")
+    lines.append(f"fused: one 2048x512 expert; layer: {LAYER_EXPERTS} experts in one launch pair (experts_forward), "
+                 f"each: the same {LAYER_EXPERTS} with a launch pair per expert")
     if report.expert_read_gbs:
         lines.append(f"expert read (int4 2048x512 blob, page cache): {report.expert_read_us:.0f} us, {report.expert_read_gbs:.1f} GB/s")
     if report.per_core_cpu:

@@ -29,6 +29,9 @@ release the GIL, so a loader thread keeps running while an expert computes):
 ``expert_forward_fp32/bf16/int8/int4(blob, hidden, inter, x, y, w)``
 (y += w * down(silu(gate x) * (up x)); x, y float32[H]; the blob may be
 longer than one expert, e.g. a RAM slot). ``EXPERT_FORWARD`` maps kind -> function.
+``experts_forward(kind, store, slots, hidden, inter, x, out, out_rows)`` runs a
+token's experts of one layer, each a slot of a RAM store, in two parallel
+launches for all of them, bit for bit what ``EXPERT_FORWARD`` gives each.
 Measured speeds and what each trick bought: docs/benchmarks.md, "Kernels".
 """
 
@@ -593,34 +596,49 @@ def _avx2_int4_rows_loop(context, builder, signature, args, bits):
     ones = ir.Constant(_V16S, [1] * 16)
     zero = ir.Constant(_V8F, [0.0] * _NARROW)
 
-    def sweep(rows):
-        def body(g, accs):
-            block, half = builder.sdiv(g, ir.Constant(_I64, 2)), builder.srem(g, ir.Constant(_I64, 2))
-            # digits of this group: block * 384 + d * 128 + operand * 64 + 32 * half
-            d0 = builder.add(builder.mul(block, ir.Constant(_I64, 384)), builder.mul(half, ir.Constant(_I64, 32)))
-            lanes = builder.add(builder.mul(block, ir.Constant(_I64, 16)), builder.mul(half, ir.Constant(_I64, 8)))
-            xd = [[_load_vec(builder, digits, builder.add(d0, ir.Constant(_I64, 128 * d + 64 * op)), _V32B, 1)
-                   for op in range(2)] for d in range(3)]
-            u = _load_vec(builder, unit, lanes, _V8F, 4)
-            c = _load_vec(builder, corr, lanes, _V8I, 4)
-            start = builder.mul(g, ir.Constant(_I64, 32))
-            out = []
-            for (q, s), acc in zip(rows, accs):
-                _prefetch(builder, q, builder.add(start, ahead))
-                raw = _load_vec(builder, q, start, _V32B, 1)
-                ops = [builder.and_(raw, ir.Constant(_V32B, [15] * 32)), builder.lshr(raw, ir.Constant(_V32B, [4] * 32))]
-                total = None
-                for d in range(3):
-                    pairs = builder.add(builder.call(ubsw, [ops[0], xd[d][0]]), builder.call(ubsw, [ops[1], xd[d][1]]))
-                    part = builder.call(wd, [pairs, ones])
-                    total = part if total is None else builder.add(builder.shl(total, ir.Constant(_V8I, [_DIGIT_BITS] * 8)), part)
-                total = builder.sub(total, c)
-                weight = builder.fmul(u, _splat(builder, builder.load(builder.gep(s, [g])), _V8F), flags=_FAST)
-                out.append(builder.fadd(builder.fmul(builder.sitofp(total, _V8F), weight, flags=_FAST), acc, flags=_FAST))
-            return out
+    def group(rows, accs, block, half):
+        """accs + the rows' group 2 block + half (half a constant 0 or 1: its digits, units
+        and offsets lie at constant distances from the block's)."""
+        # digits of this group: block * 384 + d * 128 + operand * 64 + 32 * half
+        d0 = builder.add(builder.mul(block, ir.Constant(_I64, 384)), ir.Constant(_I64, 32 * half))
+        lanes = builder.add(builder.mul(block, ir.Constant(_I64, 16)), ir.Constant(_I64, 8 * half))
+        g = builder.add(builder.mul(block, ir.Constant(_I64, 2)), ir.Constant(_I64, half))
+        xd = [[_load_vec(builder, digits, builder.add(d0, ir.Constant(_I64, 128 * d + 64 * op)), _V32B, 1)
+               for op in range(2)] for d in range(3)]
+        u = _load_vec(builder, unit, lanes, _V8F, 4)
+        c = _load_vec(builder, corr, lanes, _V8I, 4)
+        start = builder.mul(g, ir.Constant(_I64, 32))
+        out = []
+        for (q, s), acc in zip(rows, accs):
+            _prefetch(builder, q, builder.add(start, ahead))
+            raw = _load_vec(builder, q, start, _V32B, 1)
+            ops = [builder.and_(raw, ir.Constant(_V32B, [15] * 32)), builder.lshr(raw, ir.Constant(_V32B, [4] * 32))]
+            total = None
+            for d in range(3):
+                pairs = builder.add(builder.call(ubsw, [ops[0], xd[d][0]]), builder.call(ubsw, [ops[1], xd[d][1]]))
+                part = builder.call(wd, [pairs, ones])
+                total = part if total is None else builder.add(builder.shl(total, ir.Constant(_V8I, [_DIGIT_BITS] * 8)), part)
+            total = builder.sub(total, c)
+            weight = builder.fmul(u, _splat(builder, builder.load(builder.gep(s, [g])), _V8F), flags=_FAST)
+            out.append(builder.fadd(builder.fmul(builder.sitofp(total, _V8F), weight, flags=_FAST), acc, flags=_FAST))
+        return out
 
-        accs = _counted_loop(builder, n_groups, [zero] * len(rows), body)
-        return [_reduce8(builder, acc) for acc in accs]
+    def sweep(rows):
+        blocks = builder.sdiv(n_groups, ir.Constant(_I64, 2))
+        accs = _counted_loop(builder, blocks, [zero] * len(rows),
+                             lambda b, accs: group(rows, group(rows, accs, b, 0), b, 1))
+        odd = builder.icmp_signed("!=", builder.srem(n_groups, ir.Constant(_I64, 2)), ir.Constant(_I64, 0))
+        before = builder.block
+        with builder.if_then(odd):  # the odd last group
+            tails = group(rows, accs, blocks, 0)
+            inside = builder.block
+        merged = []
+        for acc, tail in zip(accs, tails):
+            phi = builder.phi(_V8F)
+            phi.add_incoming(acc, before)
+            phi.add_incoming(tail, inside)
+            merged.append(phi)
+        return [_reduce8(builder, acc) for acc in merged]
 
     pairs = list(zip(qs, ss))
     results = []
@@ -956,6 +974,118 @@ def _tokens(qa, sa, qb, sb, x, out, mode):
             _store_one(mode, out[t], r, va, vb, one)
 
 
+# --- the same row passes over several experts ----------------------------------------------
+# A decoded token's routed experts in one layer all read the same x: one parallel
+# launch runs gate_up for all of them, a second runs down for all of them, instead
+# of two launches per expert. The experts are rows of one RAM store (the store's
+# slots), viewed inside the pass; every row is dotted by the very dot functions
+# _pass uses, with the same four-row (GATE_UP: two-row) steps, so each expert gets
+# what its own two launches give it. A parallel step covers a chunk of steps of
+# one expert, so that its views are made once per chunk.
+
+_STEPS_PER_CHUNK = 16
+
+
+def _expert_views(row, marker, hidden, inter):
+    """(gate, gate scales, up, up scales, down, down scales) of the blob at the start of
+    `row` (uint8), for weights of marker's dtype; as `_expert_parts` gives them."""
+
+
+@overload(_expert_views)
+def _expert_views_impl(row, marker, hidden, inter):
+    kind = marker.dtype
+    if kind in (types.float32, types.uint16):
+        dtype = np.float32 if kind == types.float32 else np.uint16
+        size = 4 if kind == types.float32 else 2
+
+        def raw(row, marker, hidden, inter):
+            n = hidden * inter
+            flat = row[: 3 * n * size].view(dtype)
+            gate = flat[:n].reshape((inter, hidden))
+            up = flat[n: 2 * n].reshape((inter, hidden))
+            down = flat[2 * n:].reshape((hidden, inter))
+            return gate, gate, up, up, down, down
+
+        return raw
+    bits = 4 if kind == types.uint8 else 8
+    dtype = np.uint8 if bits == 4 else np.int8
+
+    def quant(row, marker, hidden, inter):
+        n = hidden * inter
+        qbytes = n * bits // 8
+        m = n // GROUP
+        q = row[: 3 * qbytes].view(dtype)
+        s = row[3 * qbytes: 3 * qbytes + 3 * m * 4].view(np.float32)
+        per_row_in, per_row_out = hidden * bits // 8, inter * bits // 8
+        return (q[:qbytes].reshape((inter, per_row_in)), s[:m].reshape((inter, hidden // GROUP)),
+                q[qbytes: 2 * qbytes].reshape((inter, per_row_in)), s[m: 2 * m].reshape((inter, hidden // GROUP)),
+                q[2 * qbytes:].reshape((hidden, per_row_out)), s[2 * m:].reshape((hidden, inter // GROUP)))
+
+    return quant
+
+
+@njit(**_PARALLEL)
+def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
+    """mode GATE_UP: h[k] = silu(gate_k x) * (up_k x); mode ADD: out[out_rows[k]] += w *
+    (down_k h[k]); expert k is the blob in store[slots[k]], x float32[hidden], h [K, inter]."""
+    wide_vectors()
+    wf = np.float32(w)
+    n = slots.shape[0]
+    bits = _bits_of(marker)
+    if mode == GATE_UP:
+        digits, unit, corr = _prepare_x(x, bits)
+        qa = _expert_views(store[slots[0]], marker, hidden, inter)[0]
+        ahead = _ahead_bytes(qa, GATE_UP)
+        steps = inter // 2
+        chunks = (steps + _STEPS_PER_CHUNK - 1) // _STEPS_PER_CHUNK
+        for p in prange(n * chunks):
+            k = p // chunks
+            c = p % chunks
+            qg, sg, qu, su, _qd, _sd = _expert_views(store[slots[k]], marker, hidden, inter)
+            hk = h[k]
+            for step in range(c * _STEPS_PER_CHUNK, min(steps, (c + 1) * _STEPS_PER_CHUNK)):
+                r = 2 * step
+                g0, g1, u0, u1 = _columns_left(
+                    qg, qu, r, r + 1, r, r + 1, x,
+                    *_rows_dot(qg, sg, qu, su, r, r + 1, r, r + 1, x, digits, unit, corr, ahead))
+                hk[r] = _silu_mul(g0, u0)
+                hk[r + 1] = _silu_mul(g1, u1)
+        for k in range(n):
+            qg, sg, qu, su, _qd, _sd = _expert_views(store[slots[k]], marker, hidden, inter)
+            for r in range(_first_left_over(GATE_UP, inter), inter):
+                va, _, vb, _ = _columns_left(qg, qu, r, r, r, r, x,
+                                             *_rows_dot(qg, sg, qu, su, r, r, r, r, x, digits, unit, corr, ahead))
+                _store_one(GATE_UP, h[k], r, va, vb, wf)
+    else:
+        n_digits, n_unit, n_corr = _prepared_sizes(inter, bits)
+        digits = np.empty((n, n_digits), np.int8)
+        unit = np.empty((n, n_unit), np.float32)
+        corr = np.empty((n, n_corr), np.int32)
+        for k in range(n):
+            _prepare_into(h[k], bits, digits[k], unit[k], corr[k])
+        qa = _expert_views(store[slots[0]], marker, hidden, inter)[4]
+        ahead = _ahead_bytes(qa, ADD)
+        steps = hidden // 4
+        chunks = (steps + _STEPS_PER_CHUNK - 1) // _STEPS_PER_CHUNK
+        for p in prange(n * chunks):
+            k = p // chunks
+            c = p % chunks
+            qd, sd = _expert_views(store[slots[k]], marker, hidden, inter)[4:]
+            hk, dk, uk, ck, yk = h[k], digits[k], unit[k], corr[k], out[out_rows[k]]
+            for step in range(c * _STEPS_PER_CHUNK, min(steps, (c + 1) * _STEPS_PER_CHUNK)):
+                r = 4 * step
+                v0, v1, v2, v3 = _columns_left(
+                    qd, qd, r, r + 1, r + 2, r + 3, hk,
+                    *_rows_dot(qd, sd, qd, sd, r, r + 1, r + 2, r + 3, hk, dk, uk, ck, ahead))
+                _store4(yk, r, v0, v1, v2, v3, wf, True)
+        for k in range(n):
+            qd, sd = _expert_views(store[slots[k]], marker, hidden, inter)[4:]
+            for r in range(_first_left_over(ADD, hidden), hidden):
+                va, _, vb, _ = _columns_left(qd, qd, r, r, r, r, h[k],
+                                             *_rows_dot(qd, sd, qd, sd, r, r, r, r, h[k], digits[k], unit[k], corr[k], ahead))
+                _store_one(ADD, out[out_rows[k]], r, va, vb, wf)
+
+
 # --- public entry points --------------------------------------------------------------------
 # Plain Python on purpose: a numba function that calls another is re-optimised
 # with the callee inlined, so njit wrappers here would multiply the cold compile
@@ -1087,6 +1217,42 @@ def expert_forward_tokens(kind: str, blob: np.ndarray, hidden: int, inter: int, 
     _tokens(qg, sg, qu, su, x, h, GATE_UP)
     _tokens(qd, sd, qd, sd, h, y, SET)
     return y
+
+
+# an empty array of each kind's weight dtype: tells `_experts` how to view the blobs
+_WEIGHT_MARKER = {"fp32": np.empty(0, np.float32), "bf16": np.empty(0, np.uint16),
+                  "int8": np.empty(0, np.int8), "int4": np.empty(0, np.uint8)}
+
+
+def experts_forward(kind: str, store: np.ndarray, slots: np.ndarray, hidden: int, inter: int, x: np.ndarray,
+                    out: np.ndarray, out_rows: np.ndarray) -> None:
+    """out[out_rows[k]] += expert(x) for the expert blob in each store[slots[k]], in two parallel
+    launches for all of them (gate_up, then down).
+
+    store: uint8 [n_slots, >= one blob] (a layer's RAM slots); slots, out_rows: int64 [K];
+    out: float32 [rows, hidden]. Each expert's result is bit for bit the one
+    `EXPERT_FORWARD[kind](store[slots[k]], hidden, inter, x, out[out_rows[k]], 1.0)` gives.
+    """
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    out_rows = np.ascontiguousarray(out_rows, dtype=np.int64)
+    n = slots.shape[0]
+    if n == 0:
+        return
+    nbytes = blob_nbytes(kind, hidden, inter)
+    slot_list, row_list = slots.tolist(), out_rows.tolist()  # checked as lists: numpy's min/max cost microseconds
+    if (store.ndim != 2 or store.dtype != np.uint8 or not store.flags.c_contiguous or store.shape[1] < nbytes
+            or out.ndim != 2 or out.shape[1] != hidden or out.dtype != np.float32 or not out.flags.c_contiguous
+            or x.shape != (hidden,) or out_rows.shape != (n,)
+            or min(slot_list) < 0 or max(slot_list) >= store.shape[0] or min(row_list) < 0 or max(row_list) >= out.shape[0]
+            or len(set(row_list)) != n):  # two experts adding to one row at once would race
+        raise ValueError(f"experts_forward needs a C uint8 store [slots, >= {nbytes}], x[{hidden}], C float32 "
+                         f"out[rows, {hidden}], slots in range and distinct out_rows in range; got store{store.shape} {store.dtype}, "
+                         f"x{x.shape}, out{out.shape} {out.dtype}, slots {slots}, out_rows {out_rows}")
+    marker = _WEIGHT_MARKER[kind]
+    h = np.empty((n, inter), np.float32)
+    x = _f32(x)
+    _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, GATE_UP, 1.0)
+    _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, ADD, 1.0)
 
 
 EXPERT_FORWARD = {
