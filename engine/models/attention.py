@@ -4,9 +4,8 @@ Shared by both architectures: Qwen3-MoE uses plain norms and no output
 gate; Qwen3.5/3.6 uses zero-centred norms and a per-head sigmoid gate that
 rides along in q_proj (per head: query(d) | gate(d)).
 
-A prompt's attention runs as blocked products over all its tokens
-(kernels/attention_prompt.py); with PREFILL_EXACT, and for one token, the
-token-by-token kernel `dense.attention`, so a prompt gets decode's bits.
+A prompt's attention runs through the token-by-token kernel `dense.attention`,
+as decode does, so a prompt gets decode's bits in this part.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
-from tierlab.engine.kernels.attention_prompt import attention_prompt
 from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace
 
 
@@ -77,8 +75,8 @@ class Attention:
         return KVCache(self.cfg.n_kv_heads, self.cfg.head_dim)
 
     def forward(self, x: np.ndarray, start: int, cache: KVCache, exact: bool = False) -> np.ndarray:
-        """x: normed hidden states [T, H] at positions start..start+T-1; `exact`: a prompt gets
-        decode's bits (PREFILL_EXACT)."""
+        """x: normed hidden states [T, H] at positions start..start+T-1; `exact` (PREFILL_EXACT)
+        is the mixers' common argument: attention gives a prompt decode's bits either way."""
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -103,7 +101,7 @@ class Attention:
         cache.k[:, start:start + T] = k.transpose(1, 0, 2)
         cache.v[:, start:start + T] = v.transpose(1, 0, 2)
         out = np.empty((T, nh, d), dtype=np.float32)
-        (attention if T == 1 or exact else attention_prompt)(q, cache.k, cache.v, start, out)
+        attention(q, cache.k, cache.v, start, out)
         out = out.reshape(T, nh * d)
         if gate is not None:
             out = out * (1.0 / (1.0 + np.exp(-gate)))
