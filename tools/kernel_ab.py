@@ -1,7 +1,8 @@
 """One line of matvec rates for comparing kernel variants in interleaved fresh processes.
 
 Per kind and shape: one thread's Gweights per second of its CPU time, cache-hot
-(10th percentile of 300 calls; time spent descheduled does not count), and the
+(1T) and from DRAM (1D: the calls rotate through the working set), 10th percentile
+of 300 calls (time spent descheduled does not count), and the
 2-thread median of >= 200 calls rotating through a working set larger than the
 last-level cache, with `tierlab bench kernels`' own helpers. Run it once per
 checkout in turn (each with its own PYTHONPATH), several rounds, and compare
@@ -33,9 +34,10 @@ def rates(kinds: list[str], shapes: list[tuple[int, int]], working_set_mib: int)
             y = np.empty(rows, np.float32)
             numba.set_num_threads(1)
             one_core = B._cpu_time_rate(lambda i: fn(*ops[0], x, y), rows * cols, 300)
+            one_dram = B._cpu_time_rate(lambda i: fn(*ops[i % len(ops)], x, y), rows * cols, 300)
             numba.set_num_threads(2)
             timing = B._time_calls(lambda i: fn(*ops[i % len(ops)], x, y), 200, 0.3)
-            out.append(f"{kind} {rows}x{cols} 1T {one_core:.1f} 2T {rows * cols / timing.median_s / 1e9:.1f}")
+            out.append(f"{kind} {rows}x{cols} 1T {one_core:.1f} 1D {one_dram:.1f} 2T {rows * cols / timing.median_s / 1e9:.1f}")
     return out
 
 

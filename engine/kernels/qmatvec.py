@@ -208,14 +208,16 @@ _V64B = ir.VectorType(_I8, 64)
 
 
 # AVX2 without VNNI: int4 by integer dot products all the same. `vpmaddubsw` (32 u8 x s8
-# products summed two by two into 16 int16 lanes) followed by `vpmaddwd` against ones
-# (pairs summed into 8 int32 lanes) gives, lane by lane, the four-byte sums that
-# `vpdpbusd` gives, from the same prepared x (digits, unit, corr; see above), so the
-# integer sums are the VNNI path's exactly. The int16 lanes cannot saturate: a nibble
+# products summed two by two into 16 int16 lanes) followed by `vpmaddwd` (pairs summed
+# into 8 int32 lanes) gives, lane by lane, the four-byte sums that `vpdpbusd` gives,
+# from the same prepared x (digits, unit, corr; see above), so the integer sums are the
+# VNNI path's exactly. `vpmaddwd` multiplies digit d's pairs by 128^(2-d) as it sums
+# them, which is the VNNI path's shift by 7 bits between digits without the shifts
+# (the same int32 sums, wraparound included). The int16 lanes cannot saturate: a nibble
 # is at most 15 and a digit at most 126 in magnitude, so the low and the high nibbles'
 # products of one digit add to at most 4 * 15 * 126 = 7560. int8 bytes (up to 255 as
 # u8) times the top digit could saturate, so int8 keeps the float path there. Per 64
-# int4 weights and row that is about 22 vector operations instead of the float path's
+# int4 weights and row that is about 21 vector operations instead of the float path's
 # 28, and the weights are never converted to float.
 _AVX2_INT4 = os.environ.get("TIERLAB_VNNI", "1") != "0" and not _VNNI and _host_has("avx2")
 _V32B = ir.VectorType(_I8, 32)
@@ -499,9 +501,10 @@ def _raw_rows_loop(context, builder, signature, args):
 
 _NARROW = 8
 _V8F = ir.VectorType(_F32, _NARROW)
-# rows per loop over the groups: the float loop keeps all four rows in one loop, the
-# AVX2 int4 loop takes them two at a time (six vectors of x's digits are live per group)
-_FLOAT_SWEEP, _INT4_SWEEP = 4, 2
+# rows per loop over the groups: four in both; the AVX2 int4 loop then keeps some of
+# x's six digit vectors of a group on the stack, which still beats two rows per loop,
+# where each digit vector is loaded twice as often (docs/benchmarks.md, Kernels)
+_FLOAT_SWEEP, _INT4_SWEEP = 4, 4
 
 
 def _reduce8(builder, vec):
@@ -593,7 +596,8 @@ def _avx2_int4_rows_loop(context, builder, signature, args, bits):
         builder.module, ir.FunctionType(_V16S, [_V32B, _V32B]), "llvm.x86.avx2.pmadd.ub.sw")
     wd = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V8I, [_V16S, _V16S]), "llvm.x86.avx2.pmadd.wd")
-    ones = ir.Constant(_V16S, [1] * 16)
+    # vpmaddwd against 128^(2-d) instead of ones weights digit d's pair sums as it adds them
+    digit_weights = [ir.Constant(_V16S, [1 << (_DIGIT_BITS * (2 - d))] * 16) for d in range(3)]
     zero = ir.Constant(_V8F, [0.0] * _NARROW)
 
     def group(rows, accs, block, half):
@@ -614,10 +618,10 @@ def _avx2_int4_rows_loop(context, builder, signature, args, bits):
             raw = _load_vec(builder, q, start, _V32B, 1)
             ops = [builder.and_(raw, ir.Constant(_V32B, [15] * 32)), builder.lshr(raw, ir.Constant(_V32B, [4] * 32))]
             total = None
-            for d in range(3):
+            for d in range(3):  # the pairs' sums times 128^2, 128 and 1, summed: no shifts
                 pairs = builder.add(builder.call(ubsw, [ops[0], xd[d][0]]), builder.call(ubsw, [ops[1], xd[d][1]]))
-                part = builder.call(wd, [pairs, ones])
-                total = part if total is None else builder.add(builder.shl(total, ir.Constant(_V8I, [_DIGIT_BITS] * 8)), part)
+                part = builder.call(wd, [pairs, digit_weights[d]])
+                total = part if total is None else builder.add(total, part)
             total = builder.sub(total, c)
             weight = builder.fmul(u, _splat(builder, builder.load(builder.gep(s, [g])), _V8F), flags=_FAST)
             out.append(builder.fadd(builder.fmul(builder.sitofp(total, _V8F), weight, flags=_FAST), acc, flags=_FAST))
