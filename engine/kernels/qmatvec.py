@@ -268,11 +268,31 @@ def _counted_loop(builder, count, inits, body):
     return finals
 
 
+def _host_cpu_name() -> str:
+    """LLVM's name of this machine's CPU ("znver4", "sapphirerapids", ...); "" for a portable build."""
+    from numba.core import config
+    from llvmlite import binding
+
+    if config.CPU_NAME or config.CPU_FEATURES:
+        return ""
+    try:
+        return binding.get_host_cpu_name()
+    except RuntimeError:
+        return ""
+
+
+# The prefetches' target: on AMD Zen cores into L2 (`prefetcht1`, LLVM locality 2): a
+# `prefetcht0` of every line there left bf16, int8 and fp32 rows reading from DRAM at
+# half the rate or less, most at 2048x512 (docs/benchmarks.md, Kernels). Other CPUs keep
+# L1 (`prefetcht0`, locality 3), as tuned on Intel.
+_PREFETCH_LOCALITY = 2 if _host_cpu_name().startswith("znver") else 3
+
+
 def _prefetch(builder, ptr, offset):
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
     at = builder.gep(builder.bitcast(ptr, _I8.as_pointer()), [offset])
-    builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+    builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, _PREFETCH_LOCALITY), ir.Constant(_I32, 1)])
 
 
 def _reduce16(builder, vec):
