@@ -119,6 +119,15 @@ class Shadow:
     vram: int  # held by the GPU tier
 
 
+def stock_outside(stock: np.ndarray | None, chosen) -> bool:
+    """Whether the stock top-K names an expert that is not among `chosen` (ids; -1 ignored):
+    only then does its shadow count need where that expert lived (`count_shadow`'s `where`)."""
+    if stock is None:
+        return False
+    chosen = set(chosen.tolist() if isinstance(chosen, np.ndarray) else chosen)
+    return any(e >= 0 and e not in chosen for e in stock.tolist())
+
+
 def count_shadow(stock: np.ndarray, where: dict[int, int], realised: dict[int, int]) -> Shadow:
     """The shadow counts of a stock top-K: each expert's realised level if it was chosen, else
     where it lived (`where`); levels 2 GPU tier, 1 RAM, 0 disk."""
@@ -373,8 +382,10 @@ class ExpertStore:
         hits = misses = 0
         on_gpu: list[int] = []
         tier = self._tier
-        with self._cond:
-            where = self._where(layer, stock, tier)
+        where = {}
+        if stock_outside(stock, chosen):
+            with self._cond:
+                where = self._where(layer, stock, tier)
         realised: dict[int, int] = {}  # chosen expert -> level it was served from
         if tier is not None:
             on_gpu = [s for s in range(K) if chosen[s] >= 0 and tier.is_resident(layer, int(chosen[s]))]
@@ -483,7 +494,7 @@ class ExpertStore:
         with self._cond:
             if self._layers[layer] is not st:
                 raise RuntimeError("the RAM cache was resized during a prompt")
-            where = self._where(layer, stock, None)
+            where = self._where(layer, stock, None) if stock_outside(stock, experts) else {}
             taken: list = [None] * len(experts)
             if 1 < len(experts) <= self._slots and len(set(experts)) == len(experts):
                 # `acquire`'s order: the token's resident experts first, then its misses in rank order

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
+from numba import njit
 
 from tierlab.engine.atomic import write_atomic
 from tierlab.engine.bounded_read import open_regular
@@ -250,3 +251,13 @@ def from_routes(n_layers: int, n_experts: int, routes: Sequence[Sequence[Iterabl
         for layer, experts in enumerate(token):
             heat.add(layer, experts)
     return heat
+
+
+@njit(nogil=True, cache=True)
+def add_routed(counts, layer, chosen):
+    """counts[layer, e] += 1 for every filled slot's expert e (chosen[s] >= 0): one token's
+    routing into a [n_layers, n_experts] count, without numpy's fancy-index temporaries."""
+    for s in range(chosen.shape[0]):
+        e = chosen[s]
+        if e >= 0:
+            counts[layer, e] += 1

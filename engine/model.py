@@ -28,6 +28,7 @@ from tierlab.engine.container import ChecksumMismatch
 from tierlab.engine.errors import ModelError
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.expert_store import ExpertStore, ResidencyState, StoreStats
+from tierlab.engine.heat import add_routed
 from tierlab.engine.heat_log import HeatLog
 from tierlab.engine.kernels.dense import linear, rmsnorm
 from tierlab.engine.knobs import Knobs
@@ -478,9 +479,8 @@ class _PassContext:
         engine = self.engine
         if engine.pilot is not None:
             engine.pilot.observe(layer, logits, route.chosen, route.ram_hits, self.knobs)
-        chosen = route.chosen[route.chosen >= 0]
-        engine.heat[layer, chosen] += 1
-        engine.heat_log.record(layer, chosen)
+        add_routed(engine.heat, layer, route.chosen)
+        engine.heat_log.record(layer, route.chosen)
 
 
 def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Knobs | None = None,
