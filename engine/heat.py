@@ -254,10 +254,13 @@ def from_routes(n_layers: int, n_experts: int, routes: Sequence[Sequence[Iterabl
 
 
 @njit(nogil=True, cache=True)
-def add_routed(counts, layer, chosen):
-    """counts[layer, e] += 1 for every filled slot's expert e (chosen[s] >= 0): one token's
-    routing into a [n_layers, n_experts] count, without numpy's fancy-index temporaries."""
-    for s in range(chosen.shape[0]):
-        e = chosen[s]
-        if e >= 0:
-            counts[layer, e] += 1
+def add_routed(counts, layers, chosen):
+    """counts[layers[i], e] += 1 for every filled slot's expert e of each routing i (chosen[i, s]
+    >= 0, ids distinct within a row): routings into a [n_layers, n_experts] count in one call,
+    so a count never holds part of them."""
+    for i in range(chosen.shape[0]):
+        layer = layers[i]
+        for s in range(chosen.shape[1]):
+            e = chosen[i, s]
+            if e >= 0:
+                counts[layer, e] += 1
