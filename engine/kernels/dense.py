@@ -337,12 +337,11 @@ def block_sum(a, n):
 
 
 @njit(nogil=True, fastmath=False, cache=True, error_model="numpy")
-def route_row(logits, k, norm, probs, chosen, true_topk, top_probs, weights):
-    """The stock router for one token: probs its softmax (`softmax_row`), chosen and true_topk
-    its k most probable experts (`topk_desc`'s order), top_probs their probabilities and
-    weights those renormalised over the k when `norm` (as `routing.plain_topk` gives them;
-    k <= PAIRWISE_BLOCK, else the caller normalises)."""
-    softmax_row(logits, probs)
+def topk_weights(probs, k, norm, chosen, true_topk, top_probs, weights):
+    """The stock router's choice from one token's probs: chosen and true_topk its k most probable
+    experts (`topk_desc`'s order), top_probs their probabilities and weights those renormalised
+    over the k when `norm`, with numpy's float32 sum (k <= PAIRWISE_BLOCK, else the caller
+    normalises)."""
     topk_desc(probs, k, chosen)
     for s in range(k):
         true_topk[s] = chosen[s]
@@ -354,6 +353,13 @@ def route_row(logits, k, norm, probs, chosen, true_topk, top_probs, weights):
     else:
         for s in range(k):
             weights[s] = top_probs[s]
+
+
+@njit(nogil=True, fastmath=False, cache=True, error_model="numpy")
+def route_row(logits, k, norm, probs, chosen, true_topk, top_probs, weights):
+    """The stock router for one token: probs its softmax (`softmax_row`), then `topk_weights`."""
+    softmax_row(logits, probs)
+    topk_weights(probs, k, norm, chosen, true_topk, top_probs, weights)
 
 
 @njit(nogil=True, fastmath=False, cache=True, error_model="numpy")
