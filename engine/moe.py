@@ -119,19 +119,9 @@ class MoEBlock:
         if self.shared_down is not None:
             t2 = time.perf_counter()
             g, u, sg = fused[:, E:E + S], fused[:, E + S:E + 2 * S], fused[:, E + 2 * S]
-            # silu(g) * u and the sigmoid gate, the same float32 operations in place of temporaries
-            h = np.negative(g)
-            np.exp(h, out=h)
-            h += 1.0
-            np.divide(g, h, out=h)
-            h *= u
-            gate = np.negative(sg)
-            np.exp(gate, out=gate)
-            gate += 1.0
-            np.divide(1.0, gate, out=gate)
-            y = linear(self.shared_down, h)
-            y *= gate[:, None]
-            out += y
+            h = np.ascontiguousarray(g / (1.0 + np.exp(-g)) * u, dtype=np.float32)
+            gate = 1.0 / (1.0 + np.exp(-sg))
+            out += (gate[:, None] * linear(self.shared_down, h)).astype(np.float32)
             timers["shared"] += time.perf_counter() - t2
         return out, routes
 
