@@ -147,7 +147,9 @@ class MoEBlock:
 
         Why it equals `_token_by_token`: every decision that depends on residency is taken in
         token order on the same state. Each token is routed (the router's residency levels,
-        with CACHE_ROUTE on) after the previous token's claims, and its claims are those that
+        with CACHE_ROUTE on) after the previous token's claims; the stock top-K reads no
+        residency, so with the lever and its meters off every token's is computed in one call
+        first and only its record's levels are read in token order. A token's claims are those that
         `ExpertStore.compute` makes (`claim_prompt_token`: the same hits, misses, victims, LRU
         order, pins' protection and shadow counts, a miss resident from then on), with only the
         reads deferred. Pins change between passes only (HOT pins after a pass); the GPU tier
