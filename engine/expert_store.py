@@ -119,12 +119,20 @@ class Shadow:
     vram: int  # held by the GPU tier
 
 
+def stock_outside(stock: np.ndarray | None, chosen) -> bool:
+    """Whether the stock top-K names an expert that is not among `chosen` (ids; -1 ignored):
+    only then does its shadow count need where that expert lived (`count_shadow`'s `where`)."""
+    if stock is None:
+        return False
+    chosen = set(chosen.tolist() if isinstance(chosen, np.ndarray) else chosen)
+    return any(e >= 0 and e not in chosen for e in stock.tolist())
+
+
 def count_shadow(stock: np.ndarray, where: dict[int, int], realised: dict[int, int]) -> Shadow:
     """The shadow counts of a stock top-K: each expert's realised level if it was chosen, else
     where it lived (`where`); levels 2 GPU tier, 1 RAM, 0 disk."""
     counts = [0, 0, 0]
-    for e in stock:
-        e = int(e)
+    for e in stock.tolist():
         if e >= 0:
             counts[realised.get(e, where.get(e, 0))] += 1
     return Shadow(ram_hits=counts[1], ram_misses=counts[0], vram=counts[2])
@@ -373,18 +381,21 @@ class ExpertStore:
         hits = misses = 0
         on_gpu: list[int] = []
         tier = self._tier
-        with self._cond:
-            where = self._where(layer, stock, tier)
+        ids = chosen.tolist()  # Python ints: the bookkeeping below reads each id several times
+        where = {}
+        if stock_outside(stock, ids):
+            with self._cond:
+                where = self._where(layer, stock, tier)
         realised: dict[int, int] = {}  # chosen expert -> level it was served from
         if tier is not None:
-            on_gpu = [s for s in range(K) if chosen[s] >= 0 and tier.is_resident(layer, int(chosen[s]))]
+            on_gpu = [s for s in range(K) if ids[s] >= 0 and tier.is_resident(layer, ids[s])]
         handle = None
         if on_gpu:
-            handle = self._tier_enqueue(tier, layer, [int(chosen[s]) for s in on_gpu], x)
+            handle = self._tier_enqueue(tier, layer, [ids[s] for s in on_gpu], x)
             if handle is None:
                 on_gpu = []
-        cpu_slots = [s for s in range(K) if chosen[s] >= 0 and s not in on_gpu]
-        held = self.acquire(layer, [int(chosen[s]) for s in cpu_slots]) if len(cpu_slots) > 1 else None
+        cpu_slots = [s for s in range(K) if ids[s] >= 0 and s not in on_gpu]
+        held = self.acquire(layer, [ids[s] for s in cpu_slots]) if len(cpu_slots) > 1 else None
         if held is not None:
             try:
                 resident = [i for i in range(len(cpu_slots)) if held.hit(i)]
@@ -397,7 +408,7 @@ class ExpertStore:
                     timers["compute"] += time.perf_counter() - t0
                     hits += len(resident)
                     for i in resident:
-                        realised[int(chosen[cpu_slots[i]])] = 1
+                        realised[ids[cpu_slots[i]]] = 1
                 for i, s in enumerate(cpu_slots):
                     if held.hit(i):
                         continue
@@ -408,7 +419,7 @@ class ExpertStore:
                     timers["fetch"] += t1 - t0
                     timers["compute"] += time.perf_counter() - t1
                     misses += 1
-                    realised[int(chosen[s])] = 0
+                    realised[ids[s]] = 0
             finally:
                 self.release(held)
             cpu_slots = []
@@ -483,7 +494,7 @@ class ExpertStore:
         with self._cond:
             if self._layers[layer] is not st:
                 raise RuntimeError("the RAM cache was resized during a prompt")
-            where = self._where(layer, stock, None)
+            where = self._where(layer, stock, None) if stock_outside(stock, experts) else {}
             taken: list = [None] * len(experts)
             if 1 < len(experts) <= self._slots and len(set(experts)) == len(experts):
                 # `acquire`'s order: the token's resident experts first, then its misses in rank order

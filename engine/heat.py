@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
+from numba import njit
 
 from tierlab.engine.atomic import write_atomic
 from tierlab.engine.bounded_read import open_regular
@@ -250,3 +251,16 @@ def from_routes(n_layers: int, n_experts: int, routes: Sequence[Sequence[Iterabl
         for layer, experts in enumerate(token):
             heat.add(layer, experts)
     return heat
+
+
+@njit(nogil=True, cache=True)
+def add_routed(counts, layers, chosen):
+    """counts[layers[i], e] += 1 for every filled slot's expert e of each routing i (chosen[i, s]
+    >= 0, ids distinct within a row): routings into a [n_layers, n_experts] count in one call,
+    so a count never holds part of them."""
+    for i in range(chosen.shape[0]):
+        layer = layers[i]
+        for s in range(chosen.shape[1]):
+            e = chosen[i, s]
+            if e >= 0:
+                counts[layer, e] += 1

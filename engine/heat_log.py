@@ -17,7 +17,7 @@ import numpy as np
 
 from tierlab.engine.atomic import locked
 from tierlab.engine.errors import FormatError
-from tierlab.engine.heat import HeatProfile
+from tierlab.engine.heat import HeatProfile, add_routed
 
 
 class HeatLog:
@@ -36,9 +36,14 @@ class HeatLog:
         return self.path if self.base is not None else None
 
     def record(self, layer: int, experts: np.ndarray) -> None:
+        """Count one token's experts of a layer (distinct ids; -1, an unfilled slot, is skipped)."""
+        self.record_many(np.full(1, layer, dtype=np.int64), np.asarray(experts).reshape(1, -1))
+
+    def record_many(self, layers: np.ndarray, chosen: np.ndarray) -> None:
+        """Count routings i: experts chosen[i] (int [N, K], -1 skipped) of layer layers[i]."""
         if self.frozen:
             return
-        self.counts[layer, experts] += 1
+        add_routed(self.counts, layers, chosen)
 
     def write(self, notice: Callable[[str], None]) -> str | None:
         """Add this run's counts to HEAT_FILE as it is now, atomically; returns the path written.

@@ -28,6 +28,7 @@ from tierlab.engine.container import ChecksumMismatch
 from tierlab.engine.errors import ModelError
 from tierlab.engine.events import TokenEvent
 from tierlab.engine.expert_store import ExpertStore, ResidencyState, StoreStats
+from tierlab.engine.heat import add_routed
 from tierlab.engine.heat_log import HeatLog
 from tierlab.engine.kernels.dense import linear, rmsnorm
 from tierlab.engine.knobs import Knobs
@@ -301,6 +302,7 @@ class Engine:
             out, routes = layer.mlp.forward(h, ctx)
             x += out
             routes_by_layer.append(routes)
+        self._count_routes(routes_by_layer)
         t0 = time.perf_counter()
         if all_logits:
             xn = rmsnorm(x, self.final_norm, cfg.rms_eps)
@@ -324,6 +326,17 @@ class Engine:
             self.store.pin_hot(self.heat, knobs.HOT)
             self._hot_pinned = True
         return logits
+
+    def _count_routes(self, routes_by_layer: list[list]) -> None:
+        """The pass's routings into the heat counts once its last layer is done, one kernel call
+        per count: a pass cut short (ctrl+c, SIGTERM) counts none of its tokens."""
+        routes = [route for routes in routes_by_layer for route in routes]
+        if not routes:
+            return
+        layers = np.array([route.layer for route in routes], dtype=np.int64)
+        chosen = np.stack([route.chosen for route in routes])
+        add_routed(self.heat, layers, chosen)
+        self.heat_log.record_many(layers, chosen)
 
     def _pilot(self):
         if self.pilot is None:
@@ -475,12 +488,10 @@ class _PassContext:
         return self.store.levels(layer)
 
     def after_route(self, layer: int, route, logits: np.ndarray) -> None:
+        """PILOT hears each routing in token order (the heat counts take the pass's at its end)."""
         engine = self.engine
         if engine.pilot is not None:
             engine.pilot.observe(layer, logits, route.chosen, route.ram_hits, self.knobs)
-        chosen = route.chosen[route.chosen >= 0]
-        engine.heat[layer, chosen] += 1
-        engine.heat_log.record(layer, chosen)
 
 
 def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Knobs | None = None,

@@ -20,8 +20,7 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
-from tierlab.engine.kernels.dense import add_weighted, axpy, linear, softmax_row
-from tierlab.engine.routing import plain_topk
+from tierlab.engine.kernels.dense import PAIRWISE_BLOCK, add_weighted, axpy, linear, route_rows, softmax_row
 
 
 class SwiGLU:
@@ -64,19 +63,43 @@ class MoEBlock:
     # -- routing ---------------------------------------------------------------
     def route(self, logits: np.ndarray, ctx) -> LayerRoute:
         """This token's routing record: the router's when the lever or its meters are on, else the plain top-K."""
-        cfg = self.cfg
-        K = cfg.top_k
-        probs = np.empty(cfg.n_experts, dtype=np.float32)
+        if self._routes_plainly(ctx):
+            return self._plain_route(self._plain_choices(logits[None, :]), 0, ctx)
+        probs = np.empty(self.cfg.n_experts, dtype=np.float32)
         softmax_row(logits, probs)
+        route = ctx.router.select(self.layer, logits, probs, ctx.residency(self.layer), ctx.knobs)
+        route.probs = probs  # this call's own array: kept by reference, for the app's drill-down
+        return route
+
+    @staticmethod
+    def _routes_plainly(ctx) -> bool:
+        """The stock top-K routes this pass: no router, or neither the lever nor its meters on."""
         knobs = ctx.knobs
-        if ctx.router is not None and (knobs.CACHE_ROUTE or knobs.meters_on):
-            route = ctx.router.select(self.layer, logits, probs, ctx.residency(self.layer), knobs)
-            route.probs = probs  # this call's own array: kept by reference, for the app's drill-down
-            return route
-        chosen, w = plain_topk(probs, K, cfg.norm_topk_prob)
-        level = ctx.residency(self.layer)[chosen] if ctx.wants_levels else np.zeros(K, dtype=np.int8)
-        return LayerRoute(self.layer, chosen, w, chosen.copy(), probs[chosen], level.astype(np.int8),
-                          np.zeros(K, dtype=np.bool_), slots=K, probs=probs)
+        return ctx.router is None or not (knobs.CACHE_ROUTE or knobs.meters_on)
+
+    def _plain_choices(self, logits: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The stock router's choices for every row of logits [T, E], in one kernel call:
+        (probs, chosen, true_topk, top_probs, weights), each with one row per token."""
+        T = logits.shape[0]
+        E, K = self.cfg.n_experts, self.cfg.top_k
+        probs = np.empty((T, E), dtype=np.float32)
+        chosen = np.empty((2, T, K), dtype=np.int32)
+        values = np.empty((2, T, K), dtype=np.float32)
+        norm = self.cfg.norm_topk_prob
+        route_rows(logits, K, norm and K <= PAIRWISE_BLOCK, probs, chosen[0], chosen[1], values[0], values[1])
+        if norm and K > PAIRWISE_BLOCK:  # numpy's own sum: the kernel reproduces it up to one block
+            for t in range(T):
+                values[1, t] = values[0, t] / values[0, t].sum()
+        return probs, chosen[0], chosen[1], values[0], values[1]
+
+    def _plain_route(self, choices: tuple[np.ndarray, ...], t: int, ctx) -> LayerRoute:
+        """Token t's plain routing record, with its experts' residency levels as they are now."""
+        probs, chosen, true_topk, top_probs, weights = choices
+        K = chosen.shape[1]
+        c = chosen[t]
+        level = ctx.residency(self.layer)[c] if ctx.wants_levels else np.zeros(K, dtype=np.int8)
+        return LayerRoute(self.layer, c, weights[t], true_topk[t], top_probs[t], level.astype(np.int8, copy=False),
+                          np.zeros(K, dtype=np.bool_), slots=K, probs=probs[t])
 
     # -- compute ---------------------------------------------------------------
     def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[LayerRoute]]:
@@ -124,7 +147,9 @@ class MoEBlock:
 
         Why it equals `_token_by_token`: every decision that depends on residency is taken in
         token order on the same state. Each token is routed (the router's residency levels,
-        with CACHE_ROUTE on) after the previous token's claims, and its claims are those that
+        with CACHE_ROUTE on) after the previous token's claims; the stock top-K reads no
+        residency, so with the lever and its meters off every token's is computed in one call
+        first and only its record's levels are read in token order. A token's claims are those that
         `ExpertStore.compute` makes (`claim_prompt_token`: the same hits, misses, victims, LRU
         order, pins' protection and shadow counts, a miss resident from then on), with only the
         reads deferred. Pins change between passes only (HOT pins after a pass); the GPU tier
@@ -144,13 +169,21 @@ class MoEBlock:
         users: dict[int, list[tuple[int, int]]] = {}  # expert -> [(token, slot)] in token order
         prompt = store.begin_prompt(layer)
         try:
+            t1 = time.perf_counter()
+            # the stock top-K depends on no residency: every token's in one call
+            choices = self._plain_choices(logits_all) if self._routes_plainly(ctx) else None
+            timers["router"] += time.perf_counter() - t1
             for t in range(T):
                 t1 = time.perf_counter()
-                route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
+                if choices is not None:
+                    route = self._plain_route(choices, t, ctx)
+                else:
+                    route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
                 t2 = time.perf_counter()
                 timers["router"] += t2 - t1
-                slots = [s for s in range(route.chosen.shape[0]) if route.chosen[s] >= 0]
-                experts = [int(route.chosen[s]) for s in slots]
+                ids = route.chosen.tolist()
+                slots = [s for s, e in enumerate(ids) if e >= 0]
+                experts = [ids[s] for s in slots]
                 hits, shadow = store.claim_prompt_token(prompt, experts, stock=route.true_topk)
                 _add_shadow(route, shadow)
                 route.ram_hits += sum(hits)

@@ -14,7 +14,9 @@ cache), trading a little fidelity for far fewer disk reads. Three strategies:
 ``route_select`` is the pure contract of docs/routing.md ("The three strategies"), written for
 reading; ``route_select_numba`` is its twin for the hot path, and the tests
 hold them equal. ``plain_topk`` is the stock router's choice (softmax
-order, top-K, optional renormalisation) that every path starts from.
+order, top-K, optional renormalisation) that every path starts from; its
+kernels (kernels/dense.py `topk_weights`, and `route_rows` with the softmax)
+are what the MoE block runs for all of a prompt's tokens in one call.
 ``Router`` is what the engine calls once per layer per token: it keeps the
 per-layer Cache-Prior state and writes each decision as an events
 ``LayerRoute`` with its meter counts; summing them is engine/meters.py's job.
@@ -30,7 +32,7 @@ import numba
 import numpy as np
 
 from tierlab.engine.events import LayerRoute
-from tierlab.engine.kernels.dense import topk_desc
+from tierlab.engine.kernels.dense import PAIRWISE_BLOCK, topk_desc, topk_weights
 from tierlab.engine.knobs import KnobValues
 
 LEVEL_GPU = 2
@@ -435,18 +437,23 @@ def plain_topk(probs: np.ndarray, K: int, norm: bool, mask=None) -> tuple[np.nda
     ``mask``, ineligible experts are never chosen: fewer eligible than K
     leaves -1 slots with weight 0 at the end.
     """
-    keys = probs if mask is None else np.where(mask, probs, -np.inf).astype(np.float32)
+    if mask is None:  # the kernel the MoE block's plain path runs (`route_rows`)
+        chosen = np.empty((2, K), dtype=np.int32)
+        values = np.empty((2, K), dtype=np.float32)
+        topk_weights(probs, K, norm and K <= PAIRWISE_BLOCK, chosen[0], chosen[1], values[0], values[1])
+        w = values[1]
+        if norm and K > PAIRWISE_BLOCK:
+            w = (values[0] / values[0].sum()).astype(np.float32)
+        return chosen[0], w
+    keys = np.where(mask, probs, -np.inf).astype(np.float32)
     idx = np.empty(K, dtype=np.int64)
     topk_desc(keys, K, idx)
     w = probs[idx].astype(np.float32)
     chosen = idx.astype(np.int32)
-    if mask is not None:
-        unfilled = ~np.asarray(mask, dtype=bool)[idx]
-        chosen[unfilled] = -1
-        w[unfilled] = 0.0
-        if norm and w.sum() > 0:
-            w = (w / w.sum()).astype(np.float32)
-    elif norm:
+    unfilled = ~np.asarray(mask, dtype=bool)[idx]
+    chosen[unfilled] = -1
+    w[unfilled] = 0.0
+    if norm and w.sum() > 0:
         w = (w / w.sum()).astype(np.float32)
     return chosen, w
 

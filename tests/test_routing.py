@@ -447,3 +447,47 @@ def test_router_agrees_with_the_reference_on_random_rows():
             true = sorted(np.flatnonzero(mask).tolist(), key=lambda e: (-float(probs[e]), e))[:4]
             assert res.true_topk.tolist() == true
             assert res.swapped.tolist() == [e not in true for e in idx]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 15, 16, 17, 63, 64, 127, 128])
+def test_block_sum_is_numpys_float32_sum(n):
+    """The plain route's renormalisation adds the top-K weights in numpy's own order."""
+    from tierlab.engine.kernels.dense import block_sum
+
+    rng = np.random.default_rng(n)
+    for _ in range(200):
+        a = (rng.random(n) ** 3).astype(np.float32)
+        assert block_sum(a, n) == a.sum()
+
+
+@pytest.mark.parametrize("n_experts, k, norm", [(8, 2, True), (64, 8, True), (64, 8, False), (256, 8, True),
+                                                (128, 16, True), (40, 9, True), (16, 1, False)])
+def test_a_prompts_plain_routes_in_one_call_are_plain_topk_token_by_token(n_experts, k, norm):
+    """`route_rows` over a prompt's router logits (a strided view of the fused projection's
+    output, as the MoE block passes them) gives each token softmax_row's probabilities and
+    plain_topk's experts and weights, bit for bit; ties go to the lower id as plain_topk's do."""
+    from tierlab.engine.kernels.dense import route_rows, softmax_row
+    from tierlab.engine.routing import plain_topk
+
+    rng = np.random.default_rng(n_experts * 31 + k)
+    T = 64
+    fused = (rng.standard_normal((T, n_experts + 29)) * rng.uniform(0.5, 6.0)).astype(np.float32)
+    fused[::5, 3] = fused[::5, 1]  # ties
+    logits = fused[:, :n_experts]
+    probs = np.empty((T, n_experts), dtype=np.float32)
+    chosen, true_topk = np.empty((T, k), dtype=np.int32), np.empty((T, k), dtype=np.int32)
+    top_probs, weights = np.empty((T, k), dtype=np.float32), np.empty((T, k), dtype=np.float32)
+    route_rows(logits, k, norm, probs, chosen, true_topk, top_probs, weights)
+    for t in range(T):
+        p = np.empty(n_experts, dtype=np.float32)
+        softmax_row(np.ascontiguousarray(logits[t]), p)
+        ids = np.argsort(-p, kind="stable")[:k]  # independent of the kernels: ties to the lower id
+        w = p[ids]
+        if norm:
+            w = w / w.sum()
+        assert probs[t].tobytes() == p.tobytes()
+        assert chosen[t].tolist() == true_topk[t].tolist() == ids.tolist()
+        assert top_probs[t].tobytes() == p[ids].tobytes()
+        assert weights[t].tobytes() == w.astype(np.float32).tobytes()
+        c, pw = plain_topk(p, k, norm)
+        assert c.tolist() == ids.tolist() and pw.tobytes() == weights[t].tobytes()

@@ -302,6 +302,73 @@ def topk_desc(values, k, idx_out):
         taken[best] = True
 
 
+#: the longest run numpy's float32 sum adds in one block (its pairwise summation splits longer ones)
+PAIRWISE_BLOCK = 128
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def block_sum(a, n):
+    """numpy's float32 sum of a[:n] for n <= PAIRWISE_BLOCK: eight partial sums added as a
+    tree, so a weight normalised here equals numpy's bit for bit."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3 = a[0], a[1], a[2], a[3]
+    r4, r5, r6, r7 = a[4], a[5], a[6], a[7]
+    i = 8
+    end = n - n % 8
+    while i < end:
+        r0 += a[i]
+        r1 += a[i + 1]
+        r2 += a[i + 2]
+        r3 += a[i + 3]
+        r4 += a[i + 4]
+        r5 += a[i + 5]
+        r6 += a[i + 6]
+        r7 += a[i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[i]
+        i += 1
+    return res
+
+
+@njit(nogil=True, fastmath=False, cache=True, error_model="numpy")
+def topk_weights(probs, k, norm, chosen, true_topk, top_probs, weights):
+    """The stock router's choice from one token's probs: chosen and true_topk its k most probable
+    experts (`topk_desc`'s order), top_probs their probabilities and weights those renormalised
+    over the k when `norm`, with numpy's float32 sum (k <= PAIRWISE_BLOCK, else the caller
+    normalises)."""
+    topk_desc(probs, k, chosen)
+    for s in range(k):
+        true_topk[s] = chosen[s]
+        top_probs[s] = probs[chosen[s]]
+    if norm:
+        total = block_sum(top_probs, k)
+        for s in range(k):
+            weights[s] = top_probs[s] / total
+    else:
+        for s in range(k):
+            weights[s] = top_probs[s]
+
+
+@njit(nogil=True, fastmath=False, cache=True, error_model="numpy")
+def route_row(logits, k, norm, probs, chosen, true_topk, top_probs, weights):
+    """The stock router for one token: probs its softmax (`softmax_row`), then `topk_weights`."""
+    softmax_row(logits, probs)
+    topk_weights(probs, k, norm, chosen, true_topk, top_probs, weights)
+
+
+@njit(nogil=True, fastmath=False, cache=True, error_model="numpy")
+def route_rows(logits, k, norm, probs, chosen, true_topk, top_probs, weights):
+    """`route_row` for every token of logits [T, E] in one call (a prompt's plain routing)."""
+    for t in range(logits.shape[0]):
+        route_row(logits[t], k, norm, probs[t], chosen[t], true_topk[t], top_probs[t], weights[t])
+
+
 @njit(nogil=True, fastmath=True, cache=True)
 def axpy(y, w, x):
     """y += w * x."""
