@@ -9,7 +9,8 @@ that what one pass reads stays in L1.
 The weights are read once per prompt instead of once per token, and the
 widening, which is most of a quantised matvec's work, is paid once per row.
 Used for the dense projections of a prompt (`linear` with T > 1) and for a
-prompt's grouped experts (`expert_matmat`, the tokens routed to one expert).
+prompt's experts (`experts_matmat`: a batch of experts, each with the tokens
+routed to it, in two launches; `expert_matmat`: one expert).
 
 All out[t, r] = row_r . x[t] in float32, within 1e-5 relative of a float64
 reference of the same (dequantised) weights; not bit-identical to the
