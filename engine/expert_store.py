@@ -546,8 +546,9 @@ class ExpertStore:
         reader threads keep `PROMPT_READS_AHEAD` reads ahead of the expert running, so reading
         and computing overlap (a read no reader has started when its expert is due is made in
         this thread: on a busy machine a reader may wait long to be scheduled). The experts
-        already in their slots run as one batch; each read one runs with the reads after it
-        that have already finished, so a batch is as large as the reads allow without waiting.
+        whose slot goes to another run as one batch, those that stay as the next (while it
+        runs, the first batch's slots are read into); each read one runs with the reads after
+        it that have already finished, so a batch is as large as the reads allow without waiting.
         Adds the waits to timers["fetch"], the runs to timers["compute"]."""
         layer, st, before = prompt.layer, prompt.st, prompt.before
         first, kept, reads = [], [], []
@@ -603,12 +604,14 @@ class ExpertStore:
             return True
 
         try:
-            if first or kept:
+            for batch in (first, kept):  # the reads into first's slots start while kept's batch runs
+                if not batch:
+                    continue
                 read_ahead(0)
                 t0 = time.perf_counter()
-                run([(e, st["store"][s]) for e, s in first + kept])
+                run([(e, st["store"][s]) for e, s in batch])
                 with self._cond:
-                    for e, s in first + kept:
+                    for e, s in batch:
                         done.add(e)
                         st["busy"][s] -= 1
                     self._cond.notify_all()
