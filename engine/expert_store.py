@@ -153,7 +153,7 @@ class HeldExperts:
 #: a streamed prompt's reads in flight or done ahead of the expert being computed
 PROMPT_READS_AHEAD = 4
 #: a prompt's expert with at most this many tokens runs the one-token kernel per token
-PROMPT_MATVEC_TOKENS = 2
+PROMPT_MATVEC_TOKENS = 4
 
 
 class PromptLayer:

@@ -135,7 +135,7 @@ class MoEBlock:
         the work is regrouped (`stream_batches`): one pass over an expert's weights
         serves all its tokens, the experts at hand running as one batch (`forward_batch`:
         matrix-matrix products in one pair of launches, the one-token kernel for an expert of
-        one or two tokens, or with the PREFILL_EXACT knob the one-token kernel's exact
+        a few tokens, or with the PREFILL_EXACT knob the one-token kernel's exact
         results), the next experts are read while a batch runs, and each token still sums
         its experts in rank order. An expert that
         did not stay resident runs from a scratch buffer, so a prompt needs no slot per expert.

@@ -129,8 +129,9 @@ def warm_up(engine, progress: Progress | None = None) -> WarmupReport:
     cfg = engine.config
     layers = representative_layers(engine)
     ids = [i % cfg.vocab_size for i in (1, 2)]
-    # more (token, expert) pairs than PROMPT_MATVEC_TOKENS per expert: some expert takes the matrix kernels
-    wide_ids = [(i + 1) % cfg.vocab_size for i in range(PROMPT_MATVEC_TOKENS * cfg.n_experts // cfg.top_k + 1)]
+    # more (token, expert) pairs than PROMPT_MATVEC_TOKENS per expert, so some expert takes the
+    # matrix kernels; one token repeated routes to few experts, so the step reads few
+    wide_ids = ids[:1] * (PROMPT_MATVEC_TOKENS * cfg.n_experts // cfg.top_k + 1)
     total = len(STEPS)
     t0 = time.perf_counter()
     at = [0]  # the step under way, for progress during its compiles

@@ -3,7 +3,8 @@
 "before" is one expert per call of `qmatmat.expert_matmat` (what a prompt's experts ran before
 the batches); "after" is what `ExpertStore.forward_batch` does: the one-token kernel for an
 expert of at most `PROMPT_MATVEC_TOKENS` tokens, else `qmatmat.experts_matmat`, one expert per
-launch ("after 1") or eight ("after 8"). 64 different real blobs (random weights through the
+launch ("after 1") or eight ("after 8"); "one-token" is `qmatvec.expert_forward_tokens` at
+every T (where the threshold comes from). 64 different real blobs (random weights through the
 quantiser) in rotation, so the weights come from memory as a prompt's do; each round times
 every variant once; prints the medians (wall and process CPU time) per expert.
 `--layer` instead times one layer of a prompt: `--prompt` tokens routed top-8 over 64 experts
@@ -99,8 +100,8 @@ def main() -> None:
         for k, (wall, cpu) in res.items():
             print(f"{k}: wall {wall:.1f} ms, cpu {cpu:.1f} ms, {3 * H * I * T * K / wall / 1e6:.1f} G MAC/s")
         return
-    print("| T | before ms | after 1 ms | after 8 ms | before cpu ms | after 8 cpu ms |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| T | before ms | after 1 ms | after 8 ms | one-token ms | before cpu ms | after 8 cpu ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for T in (int(v) for v in args.tokens.split(",")):
         x = rng.standard_normal((T, H)).astype(np.float32)
         out = np.empty((8 * T, H), np.float32)
@@ -110,8 +111,9 @@ def main() -> None:
             "before": lambda: [expert_matmat(args.kind, b, H, I, x) for b in blobs],
             "after1": lambda: [after(args.kind, [b], x, one, out, one) for b in blobs],
             "after8": lambda: [after(args.kind, blobs[i:i + 8], x, one * 8, out, eight) for i in range(0, E, 8)],
+            "one": lambda: [expert_forward_tokens(args.kind, b, H, I, x) for b in blobs],
         }, args.rounds, E)
-        print(f"| {T} | {res['before'][0]:.2f} | {res['after1'][0]:.2f} | {res['after8'][0]:.2f} | "
+        print(f"| {T} | {res['before'][0]:.2f} | {res['after1'][0]:.2f} | {res['after8'][0]:.2f} | {res['one'][0]:.2f} | "
               f"{res['before'][1]:.2f} | {res['after8'][1]:.2f} |")
 
 
