@@ -32,13 +32,13 @@ the routing lever off the stock top-K is the chosen set, so the shadow
 equals the realised figures exactly.
 
 A prompt's experts through a small cache (`begin_prompt`, `claim_prompt_token`,
-`stream_prompt`): the bookkeeping of each token's claims runs first, token by
+`stream_batches`): the bookkeeping of each token's claims runs first, token by
 token, exactly as `compute` would run it (the same claims in the same order,
 so the same hits, misses, victims, LRU clock and residency levels), with every
 read deferred. Then each expert the prompt used is read at most once: into
 the slot the bookkeeping left it in, or, when it did not stay resident, into a
 scratch buffer; the store's reader threads read the next experts while the
-caller computes the current one. At the end the slots hold what the
+caller computes the current batch (`forward_batch`). At the end the slots hold what the
 bookkeeping says they hold, as if the prompt had run token by token.
 
 A device failure (`TierFailure`) is handled here: the store drops the tier,
