@@ -32,13 +32,13 @@ the routing lever off the stock top-K is the chosen set, so the shadow
 equals the realised figures exactly.
 
 A prompt's experts through a small cache (`begin_prompt`, `claim_prompt_token`,
-`stream_prompt`): the bookkeeping of each token's claims runs first, token by
+`stream_batches`): the bookkeeping of each token's claims runs first, token by
 token, exactly as `compute` would run it (the same claims in the same order,
 so the same hits, misses, victims, LRU clock and residency levels), with every
 read deferred. Then each expert the prompt used is read at most once: into
 the slot the bookkeeping left it in, or, when it did not stay resident, into a
 scratch buffer; the store's reader threads read the next experts while the
-caller computes the current one. At the end the slots hold what the
+caller computes the current batch (`forward_batch`). At the end the slots hold what the
 bookkeeping says they hold, as if the prompt had run token by token.
 
 A device failure (`TierFailure`) is handled here: the store drops the tier,
@@ -60,7 +60,7 @@ import numpy as np
 from tierlab.engine import hugepages
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.events import LEVEL_GPU
-from tierlab.engine.kernels.qmatmat import expert_matmat
+from tierlab.engine.kernels.qmatmat import expert_matmat, experts_matmat
 from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.tiers.opencl_tier import TierFailure
@@ -160,6 +160,8 @@ class HeldExperts:
 
 #: a streamed prompt's reads in flight or done ahead of the expert being computed
 PROMPT_READS_AHEAD = 4
+#: a prompt's expert with at most this many tokens runs the one-token kernel per token
+PROMPT_MATVEC_TOKENS = 4
 
 
 class PromptLayer:
@@ -470,6 +472,24 @@ class ExpertStore:
         forward = expert_forward_tokens if exact else expert_matmat
         return forward(source.kind, blob, source.hidden, source.inter, xs)
 
+    def forward_batch(self, blobs: list[np.ndarray], token_rows: list[list[int]], x: np.ndarray, out: np.ndarray,
+                      out_rows: list[list[int]], exact: bool = False) -> None:
+        """out[out_rows[e][i]] = expert e (blobs[e]) of x[token_rows[e][i]] for a batch of a
+        prompt's experts: those with more than `PROMPT_MATVEC_TOKENS` tokens by matrix-matrix
+        products in one pair of launches (within 1e-5 of decode), the others by the one-token
+        kernel, whose widening-free integer dots cost less than widening rows for so few
+        tokens; with `exact` all by the one-token kernel, bit-identical to decode. Which kernel
+        an expert gets depends on its own token count only, so results never depend on the
+        batch."""
+        source = self._source
+        wide = [i for i, rows in enumerate(token_rows) if len(rows) > PROMPT_MATVEC_TOKENS and not exact]
+        if wide:
+            experts_matmat(source.kind, [blobs[i] for i in wide], source.hidden, source.inter, x,
+                           [token_rows[i] for i in wide], out, [out_rows[i] for i in wide])
+        for i, rows in enumerate(token_rows):
+            if exact or len(rows) <= PROMPT_MATVEC_TOKENS:
+                out[out_rows[i]] = expert_forward_tokens(source.kind, blobs[i], source.hidden, source.inter, x[rows])
+
     # -- a prompt's experts, streamed -------------------------------------------------------
     def begin_prompt(self, layer: int) -> "PromptLayer":
         """Start a prompt's bookkeeping in one layer, once its in-flight loads have finished.
@@ -521,7 +541,14 @@ class ExpertStore:
 
     def stream_prompt(self, prompt: "PromptLayer", experts: list[int], run: Callable[[int, np.ndarray], None],
                       timers: dict) -> None:
-        """run(expert, blob) once for every expert the prompt's claims used, each read at most once.
+        """run(expert, blob) once for every expert the prompt's claims used, one at a time, in
+        the order and with the reads of `stream_batches`."""
+        self.stream_batches(prompt, experts, lambda batch: [run(e, blob) for e, blob in batch], timers)
+
+    def stream_batches(self, prompt: "PromptLayer", experts: list[int],
+                       run: Callable[[list[tuple[int, np.ndarray]]], None], timers: dict) -> None:
+        """run(batch of (expert, blob)) so that every expert the prompt's claims used runs once,
+        each read at most once.
 
         An expert's bytes come from its slot when the bookkeeping left it in the slot that held
         it before the prompt; else they are read, into the slot the bookkeeping put it in or,
@@ -529,8 +556,11 @@ class ExpertStore:
         run first (their bytes are still there), then those that stay, then the read ones; the
         reader threads keep `PROMPT_READS_AHEAD` reads ahead of the expert running, so reading
         and computing overlap (a read no reader has started when its expert is due is made in
-        this thread: on a busy machine a reader may wait long to be scheduled). Adds the waits
-        to timers["fetch"], the runs to timers["compute"]."""
+        this thread: on a busy machine a reader may wait long to be scheduled). The experts
+        whose slot goes to another run as one batch, those that stay as the next (while it
+        runs, the first batch's slots are read into); each read one runs with the reads after
+        it that have already finished, so a batch is as large as the reads allow without waiting.
+        Adds the waits to timers["fetch"], the runs to timers["compute"]."""
         layer, st, before = prompt.layer, prompt.st, prompt.before
         first, kept, reads = [], [], []
         with self._cond:
@@ -563,36 +593,57 @@ class ExpertStore:
                 buf = st["store"][s] if s >= 0 else free.pop()
                 futures.append((self._readers().submit(self._source.read, layer, e, buf), buf))
 
-        try:
-            for e, s in first + kept:
-                read_ahead(0)
-                t0 = time.perf_counter()
-                run(e, st["store"][s])
-                done.add(e)
-                with self._cond:
-                    st["busy"][s] -= 1
-                    self._cond.notify_all()
-                timers["compute"] += time.perf_counter() - t0
-            for i, (e, s) in enumerate(reads):
-                read_ahead(i)
-                t0 = time.perf_counter()
-                future, buf = futures[i]
+        def arrived(i: int, wait: bool) -> bool:
+            """Whether read i is done (waiting for it, or making it here, when `wait`); books it."""
+            e, s = reads[i]
+            future, buf = futures[i]
+            if wait:
                 if future.cancel():  # no reader has started it: read it here rather than wait for one
                     self._source.read(layer, e, buf)
                 else:
                     future.result()
-                t1 = time.perf_counter()
+            elif not future.done() or future.cancelled():
+                return False
+            else:
+                future.result()
+            with self._cond:
+                self._bytes_read += self._source.blob_nbytes
+                if s >= 0:
+                    st["loading"][s] = False
+                    prompt.filled.add(s)
+                    self._cond.notify_all()
+            return True
+
+        try:
+            for batch in (first, kept):  # the reads into first's slots start while kept's batch runs
+                if not batch:
+                    continue
+                read_ahead(0)
+                t0 = time.perf_counter()
+                run([(e, st["store"][s]) for e, s in batch])
                 with self._cond:
-                    self._bytes_read += self._source.blob_nbytes
-                    if s >= 0:
-                        st["loading"][s] = False
-                        prompt.filled.add(s)
-                        self._cond.notify_all()
-                run(e, buf)
-                if s < 0:
-                    free.append(buf)
+                    for e, s in batch:
+                        done.add(e)
+                        st["busy"][s] -= 1
+                    self._cond.notify_all()
+                timers["compute"] += time.perf_counter() - t0
+            i = 0
+            while i < len(reads):
+                read_ahead(i)
+                t0 = time.perf_counter()
+                arrived(i, wait=True)
+                n = 1
+                while i + n < len(futures) and arrived(i + n, wait=False):
+                    n += 1
+                t1 = time.perf_counter()
+                run([(reads[j][0], futures[j][1]) for j in range(i, i + n)])
+                for j in range(i, i + n):
+                    done.add(reads[j][0])
+                    if reads[j][1] < 0:
+                        free.append(futures[j][1])
                 timers["fetch"] += t1 - t0
                 timers["compute"] += time.perf_counter() - t1
+                i += n
         finally:
             for future, _ in futures:
                 try:

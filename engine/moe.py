@@ -157,10 +157,12 @@ class MoEBlock:
         (`_can_group`); PILOT's prefetch reads land in this layer before its prompt or after
         it (`ExpertStore.begin_prompt`), one of the timings its loader can take token by
         token, so with CACHE_ROUTE off the logits are those of PILOT off, bit for bit. Then
-        the work is regrouped (`stream_prompt`): one pass over an expert's weights
-        serves all its tokens (`forward_tokens`: matrix-matrix products, or with the
-        PREFILL_EXACT knob the one-token kernel's exact results), the next experts are read
-        while one runs, and each token still sums its experts in rank order. An expert that
+        the work is regrouped (`stream_batches`): one pass over an expert's weights
+        serves all its tokens, the experts at hand running as one batch (`forward_batch`:
+        matrix-matrix products in one pair of launches, the one-token kernel for an expert of
+        a few tokens, or with the PREFILL_EXACT knob the one-token kernel's exact
+        results), the next experts are read while a batch runs, and each token still sums
+        its experts in rank order. An expert that
         did not stay resident runs from a scratch buffer, so a prompt needs no slot per expert.
         """
         layer, store, timers = self.layer, ctx.store, ctx.timers
@@ -194,15 +196,15 @@ class MoEBlock:
                 routes.append(route)
                 ctx.after_route(layer, route, logits_all[t])
             outputs = np.zeros((T, K, x.shape[1]), dtype=np.float32)
+            rows = outputs.reshape(T * K, x.shape[1])
             exact = ctx.knobs.PREFILL_EXACT
+            xc = np.ascontiguousarray(x, dtype=np.float32)
 
-            def run(expert: int, blob: np.ndarray) -> None:
-                pairs = users[expert]
-                y = store.forward_tokens(blob, x[[t for t, _ in pairs]], exact=exact)
-                for i, (t, s) in enumerate(pairs):
-                    outputs[t, s] = y[i]
+            def run(batch: list[tuple[int, np.ndarray]]) -> None:
+                store.forward_batch([blob for _, blob in batch], [[t for t, _ in users[e]] for e, _ in batch], xc,
+                                    rows, [[t * K + s for t, s in users[e]] for e, _ in batch], exact=exact)
 
-            store.stream_prompt(prompt, list(users), run, timers)
+            store.stream_batches(prompt, list(users), run, timers)
             t3 = time.perf_counter()
             for t, route in enumerate(routes):
                 for s in range(route.chosen.shape[0]):

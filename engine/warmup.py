@@ -12,7 +12,8 @@ weights, layers and expert source; its own sequence state, RAM cache,
 router, prefetcher and meters) runs short real passes through one layer of
 each kind, once per path a session can take: a prompt with all logits
 (evaluation), a prompt through a RAM cache smaller than the expert count
-(its experts streamed through scratch buffers), a prompt with PREFILL_EXACT's
+(its experts streamed through scratch buffers, the prompt long enough that
+some expert runs the matrix-matrix kernels), a prompt with PREFILL_EXACT's
 kernels, decode, each routing strategy, the agreement meters, and PILOT's
 prefetch. Because the twin passes the engine's own arrays
 through the engine's own code, numba meets exactly the argument types the
@@ -29,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from tierlab.engine.expert_store import PROMPT_MATVEC_TOKENS
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.qlinear import QuantMatrix, RowStack
 
@@ -44,11 +46,12 @@ class Step:
     slots: str  # "all" (every expert in RAM) or "top_k" (evictions, scratch buffers)
     knobs: dict = field(default_factory=dict)
     all_logits: bool = False
+    wide_experts: bool = False  # a prompt long enough that some expert gets more tokens than the one-token kernel takes
 
 
 STEPS = (
     Step("prompt and decode", "all", all_logits=True),
-    Step("prompt, small cache", "top_k"),
+    Step("prompt, small cache", "top_k", wide_experts=True),
     Step("prompt exact", "all", {"PREFILL_EXACT": "1"}),
     Step("routing maxrank", "top_k", {"CACHE_ROUTE": "1", "ROUTE_MODE": "maxrank", "ROUTE_ALPHA": "0.5"}),
     Step("routing cumprob", "top_k", {"CACHE_ROUTE": "1", "ROUTE_MODE": "cumprob", "ROUTE_P": "0.5"}),
@@ -126,6 +129,9 @@ def warm_up(engine, progress: Progress | None = None) -> WarmupReport:
     cfg = engine.config
     layers = representative_layers(engine)
     ids = [i % cfg.vocab_size for i in (1, 2)]
+    # more (token, expert) pairs than PROMPT_MATVEC_TOKENS per expert, so some expert takes the
+    # matrix kernels; one token repeated routes to few experts, so the step reads few
+    wide_ids = ids[:1] * (PROMPT_MATVEC_TOKENS * cfg.n_experts // cfg.top_k + 1)
     total = len(STEPS)
     t0 = time.perf_counter()
     at = [0]  # the step under way, for progress during its compiles
@@ -143,7 +149,7 @@ def warm_up(engine, progress: Progress | None = None) -> WarmupReport:
             twin = engine.scratch_twin(layers, slots, Knobs.from_env({}, **step.knobs))
             twin.subscribe(_ignore)  # listeners ask for residency levels, as the app's do
             try:
-                logits = twin.prefill(ids, all_logits=step.all_logits)
+                logits = twin.prefill(wide_ids if step.wide_experts else ids, all_logits=step.all_logits)
                 twin.step(int(np.argmax(logits[-1] if logits.ndim == 2 else logits)))
                 twin.step(ids[0])
             finally:

@@ -10,7 +10,7 @@ import pytest
 
 from tierlab import ASSETS_DIR
 from tierlab.engine.container import convert
-from tierlab.engine.expert_store import ExpertStore
+from tierlab.engine.expert_store import PROMPT_MATVEC_TOKENS, ExpertStore
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.model import load_engine
 from tierlab.engine.model_files import open_model_files
@@ -201,3 +201,45 @@ def test_a_failed_run_leaves_no_slot_claiming_bytes_it_lacks(folders):
     finally:
         store.close()
         reference.close()
+
+
+@pytest.mark.parametrize("source", ["safetensors", "int4"])
+def test_a_batch_gives_small_experts_decodes_bits_and_the_rest_within_float_noise(folders, source):
+    """`forward_batch` on a batch of a layer's slots: an expert of one or two tokens (the
+    one-token kernel) gives each token decode's bits, a wider one (the matrix kernels) within
+    1e-5 of them; with `exact` every row is decode's."""
+    files = open_model_files(folders[source])
+    cfg = files.config
+    E, H = cfg.n_experts, cfg.hidden_size
+    store = ExpertStore(files.source, cfg.n_layers, E, E, [True] * cfg.n_layers, notice=print)
+    try:
+        experts = [3, 7, 11, 20]
+        for e in experts:
+            store.prefetch(0, e)
+        x = np.random.default_rng(8).standard_normal((9, H)).astype(np.float32)
+        token_rows = [[4], [0, 8], [1, 2, 3, 5, 6], list(range(9))]
+        out_rows, at = [], 0
+        for rows in token_rows:
+            out_rows.append(list(range(at, at + len(rows))))
+            at += len(rows)
+        wants = []  # decode's results, one token per call
+        for e, rows in zip(experts, token_rows):
+            want = np.zeros((len(rows), H), dtype=np.float32)
+            for i, t in enumerate(rows):
+                store.compute(0, np.array([e], dtype=np.int32), x[t], want[i:i + 1], defaultdict(float))
+            wants.append(want)
+        held = store.acquire(0, experts)
+        try:
+            blobs = [store.blob(held, i) for i in range(len(experts))]
+            for exact in (False, True):
+                out = np.full((at, H), np.nan, dtype=np.float32)
+                store.forward_batch(blobs, token_rows, x, out, out_rows, exact=exact)
+                for want, rows, dest in zip(wants, token_rows, out_rows):
+                    if exact or len(rows) <= PROMPT_MATVEC_TOKENS:
+                        np.testing.assert_array_equal(out[dest], want)
+                    else:
+                        assert np.abs(out[dest] - want).max() <= 1e-5 * np.abs(want).max()
+        finally:
+            store.release(held)
+    finally:
+        store.close()

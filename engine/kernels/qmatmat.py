@@ -9,7 +9,8 @@ that what one pass reads stays in L1.
 The weights are read once per prompt instead of once per token, and the
 widening, which is most of a quantised matvec's work, is paid once per row.
 Used for the dense projections of a prompt (`linear` with T > 1) and for a
-prompt's grouped experts (`expert_matmat`, the tokens routed to one expert).
+prompt's experts (`experts_matmat`: a batch of experts, each with the tokens
+routed to it, in two launches; `expert_matmat`: one expert).
 
 All out[t, r] = row_r . x[t] in float32, within 1e-5 relative of a float64
 reference of the same (dequantised) weights; not bit-identical to the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from tierlab.engine.blob_layout import GROUP, blob_nbytes
@@ -380,3 +381,227 @@ def expert_matmat(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.nd
     g, u = gu[:, :inter], gu[:, inter:]
     h = np.ascontiguousarray(g / (np.float32(1.0) + np.exp(-g)) * u, dtype=np.float32)
     return _product(kind, down, h)
+
+
+# --- several experts of a prompt in two launches ------------------------------------------------
+# One launch computes h = silu(gate x) * (up x) for every (expert, block of rows) of a batch of
+# experts, the next one down(h) for every (expert, block of rows). Each work item writes only
+# its own outputs and sums in a fixed order, so the results never depend on how the threads
+# take the work items. The blobs are found by address (`_at`), so the experts of a batch may
+# lie anywhere (RAM slots, scratch buffers) while the caller holds them.
+
+_PAIR_ROWS = 8  # gate rows (and the same up rows) per work item of the gate|up launch
+
+
+@intrinsic
+def _at(typingctx, addr, marker):
+    """A pointer to marker's dtype at the integer address addr."""
+    ptr = types.CPointer(marker.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(types.intp, marker), codegen
+
+
+def _expert_matrices(marker, base, hidden, inter):
+    """(gate, gate scales, up, up scales, down, down scales) of the blob at address base, as
+    `qmatvec.quant_matrices` / `raw_matrices` lay them out; marker (an empty array of the
+    weights' dtype: float32, uint16 bf16, int8, uint8 int4 nibbles) picks the layout when numba
+    compiles. Unquantised weights stand in for their own scales."""
+
+
+@overload(_expert_matrices)
+def _expert_matrices_impl(marker, base, hidden, inter):
+    dtype = marker.dtype
+    if dtype in (types.float32, types.uint16):
+        size = dtype.bitwidth // 8
+
+        def raw(marker, base, hidden, inter):
+            n = hidden * inter
+            gate = carray(_at(base, marker), (inter, hidden))
+            up = carray(_at(base + n * size, marker), (inter, hidden))
+            down = carray(_at(base + 2 * n * size, marker), (hidden, inter))
+            return gate, gate, up, up, down, down
+        return raw
+    nibbles = dtype == types.uint8
+
+    def quant(marker, base, hidden, inter):
+        n = hidden * inter
+        qbytes = n // 2 if nibbles else n
+        m = n // GROUP
+        sbase = base + 3 * qbytes
+        gate = carray(_at(base, marker), (inter, qbytes // inter))
+        up = carray(_at(base + qbytes, marker), (inter, qbytes // inter))
+        down = carray(_at(base + 2 * qbytes, marker), (hidden, qbytes // hidden))
+        sg = carray(_at(sbase, _F32_MARKER), (inter, hidden // GROUP))
+        su = carray(_at(sbase + 4 * m, _F32_MARKER), (inter, hidden // GROUP))
+        sd = carray(_at(sbase + 8 * m, _F32_MARKER), (hidden, inter // GROUP))
+        return gate, sg, up, su, down, sd
+    return quant
+
+
+_F32_MARKER = np.empty(0, np.float32)
+
+
+def _widen_row_into(w, s, r, k, block):
+    """Row r of w (scales s) as float32 into row k of a four-row group (block [chunks, 4, width])."""
+
+
+@overload(_widen_row_into)
+def _widen_row_into_impl(w, s, r, k, block):
+    if w.dtype == types.float32:
+        return lambda w, s, r, k, block: _copy_f32_into(w, r, k, block)
+    if w.dtype == types.uint16:
+        return lambda w, s, r, k, block: _widen_bf16_into(w, r, k, block)
+    return lambda w, s, r, k, block: _widen_quant_into(w, s, r, k, block)
+
+
+@njit(**_OPTS)
+def _copy_f32_into(w, r, k, block):
+    width = block.shape[2]
+    for j in range(block.shape[0]):
+        _copy_f32_span(w[r, j * width:(j + 1) * width], block[j, k])
+
+
+@njit(**_OPTS)
+def _copy_f32_span(src, dst):
+    wide_vectors()
+    for c in range(dst.shape[0]):
+        dst[c] = src[c]
+
+
+@njit(**_OPTS)
+def _dot_groups(blocks, n_groups, xs, t0, t1, acc, res):
+    """res[t - t0, 4g + k] = row k of group g of `blocks` . token t of xs, for t0 <= t < t1,
+    two tokens per pass and chunk by chunk (as `_store_rows`)."""
+    for g in range(n_groups):
+        acc[:] = 0.0
+        bg = blocks[g]
+        for j in range(bg.shape[0]):
+            wj = bg[j]
+            xj = xs[j]
+            for t in range(t0, t1, 2):
+                u = min(t + 1, t1 - 1)
+                a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(wj, xj[t], xj[u])
+                acc[t - t0, 0] += a0
+                acc[t - t0, 1] += a1
+                acc[t - t0, 2] += a2
+                acc[t - t0, 3] += a3
+                if u != t:
+                    acc[u - t0, 0] += b0
+                    acc[u - t0, 1] += b1
+                    acc[u - t0, 2] += b2
+                    acc[u - t0, 3] += b3
+        for t in range(t1 - t0):
+            for k in range(4):
+                res[t, 4 * g + k] = acc[t, k]
+
+
+@njit(**dict(_OPTS, parallel=True))
+def gather_chunked(x, rows, width, xs):
+    """xs[j, i, c] = x[rows[i], j * width + c]: the tokens of a batch side by side, chunk by chunk."""
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        for j in range(xs.shape[0]):
+            for c in range(width):
+                xs[j, i, c] = x[r, j * width + c]
+
+
+@njit(**dict(_OPTS, parallel=True))
+def experts_gate_up(marker, bases, hidden, inter, xs, starts, hs):
+    """hs[j, t, c] = silu(gate x_t) * (up x_t) at row j * width + c of expert e's inter rows,
+    for the tokens starts[e] <= t < starts[e + 1] of xs [chunks, N, hidden's width] and the
+    blob at address bases[e]; hs is [inter chunks, N, inter's width]."""
+    per = (inter + _PAIR_ROWS - 1) // _PAIR_ROWS
+    chunks, width = xs.shape[0], xs.shape[2]
+    h_width = hs.shape[2]
+    tile = _token_tile(hidden)
+    for w in prange(bases.shape[0] * per):
+        e = w // per
+        r0 = (w % per) * _PAIR_ROWS
+        n = min(_PAIR_ROWS, inter - r0)
+        gate, sg, up, su, _, _ = _expert_matrices(marker, bases[e], hidden, inter)
+        blocks = np.empty((2 * _PAIR_ROWS // 4, chunks, 4, width), dtype=np.float32)
+        if n < _PAIR_ROWS:
+            blocks[:] = 0.0
+        for i in range(n):
+            _widen_row_into(gate, sg, r0 + i, i % 4, blocks[i // 4])
+            _widen_row_into(up, su, r0 + i, i % 4, blocks[_PAIR_ROWS // 4 + i // 4])
+        acc = np.empty((tile, 4), dtype=np.float32)
+        res = np.empty((tile, 2 * _PAIR_ROWS), dtype=np.float32)
+        for t0 in range(starts[e], starts[e + 1], tile):
+            t1 = min(starts[e + 1], t0 + tile)
+            _dot_groups(blocks, 2 * _PAIR_ROWS // 4, xs, t0, t1, acc, res)
+            for t in range(t1 - t0):
+                for i in range(n):
+                    g = res[t, i]
+                    r = r0 + i
+                    hs[r // h_width, t0 + t, r % h_width] = g / (np.float32(1.0) + np.exp(-g)) * res[t, _PAIR_ROWS + i]
+
+
+@njit(**dict(_OPTS, parallel=True))
+def experts_down(marker, bases, hidden, inter, hs, starts, out, out_rows):
+    """out[out_rows[t]] = down h_t of expert e for the tokens starts[e] <= t < starts[e + 1] of
+    hs (from `experts_gate_up`) and the blob at address bases[e]."""
+    per = (hidden + _ROW_BLOCK - 1) // _ROW_BLOCK
+    chunks, width = hs.shape[0], hs.shape[2]
+    tile = _token_tile(inter)
+    for w in prange(bases.shape[0] * per):
+        e = w // per
+        r0 = (w % per) * _ROW_BLOCK
+        n = min(_ROW_BLOCK, hidden - r0)
+        _, _, _, _, down, sd = _expert_matrices(marker, bases[e], hidden, inter)
+        blocks = np.empty((_ROW_BLOCK // 4, chunks, 4, width), dtype=np.float32)
+        _zero_padding(blocks, n)
+        for i in range(n):
+            _widen_row_into(down, sd, r0 + i, i % 4, blocks[i // 4])
+        acc = np.empty((tile, 4), dtype=np.float32)
+        res = np.empty((tile, _ROW_BLOCK), dtype=np.float32)
+        for t0 in range(starts[e], starts[e + 1], tile):
+            t1 = min(starts[e + 1], t0 + tile)
+            _dot_groups(blocks, (n + 3) // 4, hs, t0, t1, acc, res)
+            for t in range(t1 - t0):
+                row = out_rows[t0 + t]
+                for k in range(n):
+                    out[row, r0 + k] = res[t, k]
+
+
+_MARKERS = {"fp32": np.empty(0, np.float32), "bf16": np.empty(0, np.uint16),
+            "int8": np.empty(0, np.int8), "int4": np.empty(0, np.uint8)}
+
+
+def experts_matmat(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarray, token_rows: list,
+                   out: np.ndarray, out_rows: list) -> None:
+    """out[out_rows[e][i]] = expert e (blobs[e]) of x[token_rows[e][i]], for a batch of experts
+    in two parallel launches.
+
+    Why: a prompt's experts each see a few tokens; one launch over (expert, rows) work items for
+    all of them keeps both cores busy where one expert's launch would be too small, and fuses
+    silu into the gate|up store. Each out row is the same whatever else is in the batch, within
+    1e-5 relative of the one-token kernels; x [T, hidden], out [rows, hidden] float32.
+    """
+    nbytes = blob_nbytes(kind, hidden, inter)
+    for b in blobs:
+        if b.dtype != np.uint8 or b.ndim != 1 or b.size < nbytes or not b.flags.c_contiguous:
+            raise ValueError(f"a {kind} expert blob of {hidden}x{inter} needs {nbytes} contiguous bytes")
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != hidden or not x.flags.c_contiguous:
+        raise ValueError(f"experts_matmat needs x float32[T, {hidden}] (C order), got {x.dtype}{x.shape}")
+    if out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != hidden or not out.flags.c_contiguous:
+        raise ValueError(f"experts_matmat needs out float32[rows, {hidden}] (C order)")
+    counts = [len(r) for r in token_rows]
+    starts = np.zeros(len(blobs) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    rows = np.fromiter((r for rs in token_rows for r in rs), dtype=np.int64, count=int(starts[-1]))
+    dest = np.fromiter((r for rs in out_rows for r in rs), dtype=np.int64, count=int(starts[-1]))
+    if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0] or dest.min() < 0 or dest.max() >= out.shape[0]):
+        raise ValueError("experts_matmat: a token or output row out of range")
+    bases = np.array([b.ctypes.data for b in blobs], dtype=np.intp)
+    width = _chunk_width(hidden)
+    xs = np.empty((hidden // width, rows.size, width), dtype=np.float32)
+    gather_chunked(x, rows, width, xs)
+    h_width = _chunk_width(inter)
+    hs = np.empty((inter // h_width, rows.size, h_width), dtype=np.float32)
+    marker = _MARKERS[kind]
+    experts_gate_up(marker, bases, hidden, inter, xs, starts, hs)
+    experts_down(marker, bases, hidden, inter, hs, starts, out, dest)
