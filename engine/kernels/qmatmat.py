@@ -131,9 +131,9 @@ def _token_tile(cols):
 
 
 @njit(**_OPTS)
-def _store_rows(block, xs, t0, t1, r0, n, acc, out):
-    """out[t, r0:r0+n] for tokens t0..t1-1: the four rows of `block` (rows past n are zeros)
-    against those tokens, two tokens per pass, chunk by chunk. A row's and a token's sums depend
+def _dot_rows4(block, xs, t0, t1, acc):
+    """acc[t - t0, k] = row k of `block` (four widened rows, [chunks, 4, width]) . token t of xs
+    for tokens t0..t1-1, two tokens per pass, chunk by chunk. A row's and a token's sums depend
     only on their own values (and the token's parity; t0 is even), never on T or on the other rows."""
     acc[:] = 0.0
     for j in range(block.shape[0]):
@@ -151,6 +151,13 @@ def _store_rows(block, xs, t0, t1, r0, n, acc, out):
                 acc[u - t0, 1] += b1
                 acc[u - t0, 2] += b2
                 acc[u - t0, 3] += b3
+
+
+@njit(**_OPTS)
+def _store_rows(block, xs, t0, t1, r0, n, acc, out):
+    """out[t, r0:r0+n] for tokens t0..t1-1: the four rows of `block` (rows past n are zeros)
+    against those tokens (`_dot_rows4`)."""
+    _dot_rows4(block, xs, t0, t1, acc)
     for t in range(t0, t1):
         for k in range(n):
             out[t, r0 + k] = acc[t - t0, k]
@@ -474,25 +481,9 @@ def _copy_f32_span(src, dst):
 @njit(**_OPTS)
 def _dot_groups(blocks, n_groups, xs, t0, t1, acc, res):
     """res[t - t0, 4g + k] = row k of group g of `blocks` . token t of xs, for t0 <= t < t1,
-    two tokens per pass and chunk by chunk (as `_store_rows`)."""
+    group by group (`_dot_rows4`)."""
     for g in range(n_groups):
-        acc[:] = 0.0
-        bg = blocks[g]
-        for j in range(bg.shape[0]):
-            wj = bg[j]
-            xj = xs[j]
-            for t in range(t0, t1, 2):
-                u = min(t + 1, t1 - 1)
-                a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(wj, xj[t], xj[u])
-                acc[t - t0, 0] += a0
-                acc[t - t0, 1] += a1
-                acc[t - t0, 2] += a2
-                acc[t - t0, 3] += a3
-                if u != t:
-                    acc[u - t0, 0] += b0
-                    acc[u - t0, 1] += b1
-                    acc[u - t0, 2] += b2
-                    acc[u - t0, 3] += b3
+        _dot_rows4(blocks[g], xs, t0, t1, acc)
         for t in range(t1 - t0):
             for k in range(4):
                 res[t, 4 * g + k] = acc[t, k]
