@@ -25,7 +25,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from tierlab.engine.blob_layout import GROUP, blob_nbytes
-from tierlab.engine.kernels.qmatvec import bf16_f32, quant_matrices, raw_matrices, wide_vectors
+from tierlab.engine.kernels.qmatvec import bf16_f32, expert_views, quant_matrices, raw_matrices, wide_vectors
 
 _F32 = ir.FloatType()
 
@@ -411,44 +411,15 @@ def _at(typingctx, addr, marker):
     return ptr(types.intp, marker), codegen
 
 
-def _expert_matrices(marker, base, hidden, inter):
-    """(gate, gate scales, up, up scales, down, down scales) of the blob at address base, as
-    `qmatvec.quant_matrices` / `raw_matrices` lay them out; marker (an empty array of the
-    weights' dtype: float32, uint16 bf16, int8, uint8 int4 nibbles) picks the layout when numba
-    compiles. Unquantised weights stand in for their own scales."""
+_U8_MARKER = np.empty(0, np.uint8)
 
 
-@overload(_expert_matrices)
-def _expert_matrices_impl(marker, base, hidden, inter):
-    dtype = marker.dtype
-    if dtype in (types.float32, types.uint16):
-        size = dtype.bitwidth // 8
-
-        def raw(marker, base, hidden, inter):
-            n = hidden * inter
-            gate = carray(_at(base, marker), (inter, hidden))
-            up = carray(_at(base + n * size, marker), (inter, hidden))
-            down = carray(_at(base + 2 * n * size, marker), (hidden, inter))
-            return gate, gate, up, up, down, down
-        return raw
-    nibbles = dtype == types.uint8
-
-    def quant(marker, base, hidden, inter):
-        n = hidden * inter
-        qbytes = n // 2 if nibbles else n
-        m = n // GROUP
-        sbase = base + 3 * qbytes
-        gate = carray(_at(base, marker), (inter, qbytes // inter))
-        up = carray(_at(base + qbytes, marker), (inter, qbytes // inter))
-        down = carray(_at(base + 2 * qbytes, marker), (hidden, qbytes // hidden))
-        sg = carray(_at(sbase, _F32_MARKER), (inter, hidden // GROUP))
-        su = carray(_at(sbase + 4 * m, _F32_MARKER), (inter, hidden // GROUP))
-        sd = carray(_at(sbase + 8 * m, _F32_MARKER), (hidden, inter // GROUP))
-        return gate, sg, up, su, down, sd
-    return quant
-
-
-_F32_MARKER = np.empty(0, np.float32)
+@njit(**_OPTS)
+def _expert_matrices(marker, base, nbytes, hidden, inter):
+    """(gate, gate scales, up, up scales, down, down scales) of the nbytes-byte blob at address
+    base, as `qmatvec.expert_views` lays them out for weights of marker's dtype (float32,
+    uint16 bf16, int8, uint8 int4 nibbles)."""
+    return expert_views(carray(_at(base, _U8_MARKER), (nbytes,)), marker, hidden, inter)
 
 
 def _widen_row_into(w, s, r, k, block):
@@ -500,7 +471,7 @@ def gather_chunked(x, rows, width, xs):
 
 
 @njit(**dict(_OPTS, parallel=True))
-def experts_gate_up(marker, bases, hidden, inter, xs, starts, hs):
+def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs):
     """hs[j, t, c] = silu(gate x_t) * (up x_t) at row j * width + c of expert e's inter rows,
     for the tokens starts[e] <= t < starts[e + 1] of xs [chunks, N, hidden's width] and the
     blob at address bases[e]; hs is [inter chunks, N, inter's width]."""
@@ -512,7 +483,7 @@ def experts_gate_up(marker, bases, hidden, inter, xs, starts, hs):
         e = w // per
         r0 = (w % per) * _PAIR_ROWS
         n = min(_PAIR_ROWS, inter - r0)
-        gate, sg, up, su, _, _ = _expert_matrices(marker, bases[e], hidden, inter)
+        gate, sg, up, su, _, _ = _expert_matrices(marker, bases[e], nbytes, hidden, inter)
         blocks = np.empty((2 * _PAIR_ROWS // 4, chunks, 4, width), dtype=np.float32)
         if n < _PAIR_ROWS:
             blocks[:] = 0.0
@@ -532,7 +503,7 @@ def experts_gate_up(marker, bases, hidden, inter, xs, starts, hs):
 
 
 @njit(**dict(_OPTS, parallel=True))
-def experts_down(marker, bases, hidden, inter, hs, starts, out, out_rows):
+def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows):
     """out[out_rows[t]] = down h_t of expert e for the tokens starts[e] <= t < starts[e + 1] of
     hs (from `experts_gate_up`) and the blob at address bases[e]."""
     per = (hidden + _ROW_BLOCK - 1) // _ROW_BLOCK
@@ -542,7 +513,7 @@ def experts_down(marker, bases, hidden, inter, hs, starts, out, out_rows):
         e = w // per
         r0 = (w % per) * _ROW_BLOCK
         n = min(_ROW_BLOCK, hidden - r0)
-        _, _, _, _, down, sd = _expert_matrices(marker, bases[e], hidden, inter)
+        _, _, _, _, down, sd = _expert_matrices(marker, bases[e], nbytes, hidden, inter)
         blocks = np.empty((_ROW_BLOCK // 4, chunks, 4, width), dtype=np.float32)
         _zero_padding(blocks, n)
         for i in range(n):
@@ -594,5 +565,5 @@ def experts_matmat(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarra
     h_width = _chunk_width(inter)
     hs = np.empty((inter // h_width, rows.size, h_width), dtype=np.float32)
     marker = _MARKERS[kind]
-    experts_gate_up(marker, bases, hidden, inter, xs, starts, hs)
-    experts_down(marker, bases, hidden, inter, hs, starts, out, dest)
+    experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs)
+    experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, dest)

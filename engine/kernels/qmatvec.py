@@ -1010,12 +1010,12 @@ def _tokens(qa, sa, qb, sb, x, out, mode):
 _STEPS_PER_CHUNK = 16
 
 
-def _expert_views(row, marker, hidden, inter):
+def expert_views(row, marker, hidden, inter):
     """(gate, gate scales, up, up scales, down, down scales) of the blob at the start of
     `row` (uint8), for weights of marker's dtype; as `_expert_parts` gives them."""
 
 
-@overload(_expert_views)
+@overload(expert_views)
 def _expert_views_impl(row, marker, hidden, inter):
     kind = marker.dtype
     if kind in (types.float32, types.uint16):
@@ -1058,14 +1058,14 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
     bits = _bits_of(marker)
     if mode == GATE_UP:
         digits, unit, corr = _prepare_x(x, bits)
-        qa = _expert_views(store[slots[0]], marker, hidden, inter)[0]
+        qa = expert_views(store[slots[0]], marker, hidden, inter)[0]
         ahead = _ahead_bytes(qa, GATE_UP)
         steps = inter // 2
         chunks = (steps + _STEPS_PER_CHUNK - 1) // _STEPS_PER_CHUNK
         for p in prange(n * chunks):
             k = p // chunks
             c = p % chunks
-            qg, sg, qu, su, _qd, _sd = _expert_views(store[slots[k]], marker, hidden, inter)
+            qg, sg, qu, su, _qd, _sd = expert_views(store[slots[k]], marker, hidden, inter)
             hk = h[k]
             for step in range(c * _STEPS_PER_CHUNK, min(steps, (c + 1) * _STEPS_PER_CHUNK)):
                 r = 2 * step
@@ -1075,7 +1075,7 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
                 hk[r] = _silu_mul(g0, u0)
                 hk[r + 1] = _silu_mul(g1, u1)
         for k in range(n):
-            qg, sg, qu, su, _qd, _sd = _expert_views(store[slots[k]], marker, hidden, inter)
+            qg, sg, qu, su, _qd, _sd = expert_views(store[slots[k]], marker, hidden, inter)
             for r in range(_first_left_over(GATE_UP, inter), inter):
                 va, _, vb, _ = _columns_left(qg, qu, r, r, r, r, x,
                                              *_rows_dot(qg, sg, qu, su, r, r, r, r, x, digits, unit, corr, ahead))
@@ -1087,14 +1087,14 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
         corr = np.empty((n, n_corr), np.int32)
         for k in range(n):
             _prepare_into(h[k], bits, digits[k], unit[k], corr[k])
-        qa = _expert_views(store[slots[0]], marker, hidden, inter)[4]
+        qa = expert_views(store[slots[0]], marker, hidden, inter)[4]
         ahead = _ahead_bytes(qa, ADD)
         steps = hidden // 4
         chunks = (steps + _STEPS_PER_CHUNK - 1) // _STEPS_PER_CHUNK
         for p in prange(n * chunks):
             k = p // chunks
             c = p % chunks
-            qd, sd = _expert_views(store[slots[k]], marker, hidden, inter)[4:]
+            qd, sd = expert_views(store[slots[k]], marker, hidden, inter)[4:]
             hk, dk, uk, ck, yk = h[k], digits[k], unit[k], corr[k], out[out_rows[k]]
             for step in range(c * _STEPS_PER_CHUNK, min(steps, (c + 1) * _STEPS_PER_CHUNK)):
                 r = 4 * step
@@ -1103,7 +1103,7 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
                     *_rows_dot(qd, sd, qd, sd, r, r + 1, r + 2, r + 3, hk, dk, uk, ck, ahead))
                 _store4(yk, r, v0, v1, v2, v3, wf, True)
         for k in range(n):
-            qd, sd = _expert_views(store[slots[k]], marker, hidden, inter)[4:]
+            qd, sd = expert_views(store[slots[k]], marker, hidden, inter)[4:]
             for r in range(_first_left_over(ADD, hidden), hidden):
                 va, _, vb, _ = _columns_left(qd, qd, r, r, r, r, h[k],
                                              *_rows_dot(qd, sd, qd, sd, r, r, r, r, h[k], digits[k], unit[k], corr[k], ahead))
