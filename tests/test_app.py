@@ -676,6 +676,13 @@ async def test_a_knob_moved_during_a_reply_starts_a_segment_and_the_old_one_stop
     def open_engine():
         engine = EngineOptions(ASSETS / "tiny-moe", 8).open()
         engine.eos_ids = lambda: []  # the reply runs to its token budget, long enough to move a knob in it
+        step = engine.step
+
+        def paced_step(token_id):  # at least 2 ms a token: on a quiet machine 512 tokens of tiny-moe end too soon
+            time.sleep(0.002)
+            return step(token_id)
+
+        engine.step = paced_step
         return engine
 
     app = make_app(engine_factory=open_engine)
