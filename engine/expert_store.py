@@ -57,7 +57,7 @@ from typing import Callable
 
 import numpy as np
 
-from tierlab.engine import hugepages
+from tierlab.engine import budget, hugepages
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.events import LEVEL_GPU
 from tierlab.engine.kernels.qmatmat import expert_matmat, experts_matmat
@@ -211,13 +211,23 @@ class ExpertStore:
         self._ledger = np.zeros((4, n_layers), dtype=np.int64)  # PrefetchLedger's rows, per layer
         self._at = (-1, -1)  # (pass, layer) the engine is at, for the ledger
         self._pool = None  # background readers for acquire
-        self._layers = [self._new_layer(self._slots) if moe else None for moe in moe_layers]
+        prefault = self._fits_in_memory(self._slots, held=0)
+        self._layers = [self._new_layer(self._slots, prefault) if moe else None for moe in moe_layers]
         self._tier = None
         self._tier_report: dict = {}
 
-    def _new_layer(self, slots: int) -> dict:
+    def _fits_in_memory(self, slots: int, held: int) -> bool:
+        """Whether every MoE layer's `slots` slots fit in the memory this process may use now,
+        counting `held` bytes of slots it already holds (and will give back) as free."""
+        need = slots * self._source.blob_nbytes * sum(1 for m in self.moe_layers if m)
+        room = budget.auto_budget()
+        return room is not None and need <= room + held
+
+    def _new_layer(self, slots: int, prefault: bool = False) -> dict:
+        """A layer's slots; with `prefault`, their memory resident now, while loading or
+        resizing, rather than page by page under the first prompt that fills them."""
         return {
-            "store": hugepages.empty((slots, self._source.blob_nbytes), np.uint8),
+            "store": hugepages.empty((slots, self._source.blob_nbytes), np.uint8, prefault=prefault),
             "expert": np.full(slots, -1, dtype=np.int64),  # expert held by each slot
             "slot_of": np.full(self.n_experts, -1, dtype=np.int64),
             "last": np.zeros(slots, dtype=np.int64),
@@ -994,12 +1004,14 @@ class ExpertStore:
     def _resize_layers(self, slots: int) -> None:
         """Under the lock: each layer drained of loads and uses, then rebuilt with `slots` slots.
         Prefetches hold off meanwhile (`_resizing`), so a loader in a loop cannot starve it."""
+        held_bytes = self._slots * self._source.blob_nbytes * sum(1 for m in self.moe_layers if m)
+        prefault = self._fits_in_memory(slots, held_bytes)
         for layer, st in enumerate(self._layers):
             if st is None:
                 continue
             while np.any(st["busy"]) or np.any(st["loading"]):
                 self._cond.wait()
-            new = self._new_layer(slots)
+            new = self._new_layer(slots, prefault)
             held = [s for s in np.argsort(-st["last"]) if st["expert"][s] >= 0][:slots]
             for i, s in enumerate(held):
                 e = int(st["expert"][s])
