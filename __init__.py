@@ -5,9 +5,9 @@ from pathlib import Path
 
 # numba's parallel kernels: which thread pool, and how its idle workers wait,
 # decides decode speed on a quiet machine and on a loaded one alike. The
-# choice (TBB when its library loads, else OpenMP with a short spin; a user's
-# own setting wins) must be made before numba starts its pool: see
-# engine/threading_layer.py and docs/engine.md, "Threads".
+# choice (OpenMP that spins, with a thread count that follows the load; TBB
+# without libgomp; a user's own setting wins) must be made before numba
+# starts its pool: see engine/threading_layer.py and docs/engine.md, "Threads".
 from tierlab.engine import threading_layer as _threading_layer
 
 THREADING_LAYER = _threading_layer.choose()

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from tierlab.engine import load_follow
 from tierlab.engine.checkpoint import Checkpoint, to_f32
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.container import ChecksumMismatch
@@ -91,6 +92,8 @@ class Engine:
         self._listeners: list[Callable[[TokenEvent], None]] = []
         self._lock = threading.RLock()
         self.pilot: Pilot | None = None
+        #: this process's thread count for the kernels, following the machine's load
+        self.threads = load_follow.for_process()
         self._hot_pinned = False
         self.sequence_serial = 0
         self.reset()
@@ -290,6 +293,7 @@ class Engine:
         x = to_f32(self.embed[ids]).reshape(T, cfg.hidden_size).copy()
         routes_by_layer = []
         for layer, state in zip(self.layers, self.states):
+            self.threads.follow()  # a reading of the load at most every SAMPLE_S; the count per layer
             t0 = time.perf_counter()
             h = rmsnorm(x, layer.input_norm, cfg.rms_eps)
             x += layer.mixer.forward(h, self.pos, state, exact=ctx.knobs.PREFILL_EXACT)

@@ -1,4 +1,5 @@
-"""The thread-pool choice made on `import tierlab`: TBB by default, a user's setting as given."""
+"""The thread-pool choice made on `import tierlab`: spinning OpenMP whose threads follow the load by
+default, a user's setting as given."""
 
 import json
 import os
@@ -27,7 +28,7 @@ print(json.dumps({"layer": numba.threading_layer(),
 
 def _probe(**overrides):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+           if k not in ("NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", threading_layer.MARKER)}
     env.update(overrides)
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -46,17 +47,51 @@ def test_user_wait_policy_is_kept_as_given():
     assert env == {"OMP_WAIT_POLICY": "ACTIVE", "NUMBA_THREADING_LAYER": "omp"}
 
 
-def test_fallback_without_tbb_is_short_spin_omp(monkeypatch):
-    monkeypatch.setattr(threading_layer, "preload_tbb", lambda: False)
+def test_default_is_spinning_omp_marked_as_tierlabs_own(monkeypatch):
+    monkeypatch.setattr(threading_layer, "omp_loads", lambda: True)
     env = {}
     assert threading_layer.choose(env) == "omp"
-    assert env == {**threading_layer.OMP_FALLBACK, "NUMBA_THREADING_LAYER": "omp"}
+    assert env == {**threading_layer.DEFAULT, threading_layer.MARKER: "follow"}
+    assert threading_layer.follows_load(env)
+    assert "threads follow the load" in threading_layer.describe(env)
 
 
-@pytest.mark.skipif(not threading_layer.preload_tbb(), reason="the tbb wheel is not installed on this platform")
-def test_default_process_runs_on_tbb():
+def test_a_child_of_tierlab_keeps_the_default_and_follows_the_load():
+    env = {**threading_layer.DEFAULT, threading_layer.MARKER: "follow", "NUMBA_NUM_THREADS": "2"}
+    assert threading_layer.choose(env) == "omp"
+    assert env == {**threading_layer.DEFAULT, threading_layer.MARKER: "follow", "NUMBA_NUM_THREADS": "2"}
+    assert threading_layer.follows_load(env)  # NUMBA_NUM_THREADS is the most it uses
+
+
+def test_a_users_settings_beside_the_marker_are_the_users():
+    # the same values as the default, but the user's own (no marker): a fixed thread count
+    env = dict(threading_layer.DEFAULT)
+    assert threading_layer.choose(env) == "omp" and not threading_layer.follows_load(env)
+    env = {**threading_layer.DEFAULT, threading_layer.MARKER: "follow", "OMP_WAIT_POLICY": "ACTIVE"}
+    assert threading_layer.choose(env) == "omp"
+    assert threading_layer.MARKER not in env and not threading_layer.follows_load(env)
+
+
+def test_without_libgomp_tbb_then_numbas_own_choice(monkeypatch):
+    monkeypatch.setattr(threading_layer, "omp_loads", lambda: False)
+    monkeypatch.setattr(threading_layer, "preload_tbb", lambda: True)
+    env = {}
+    assert threading_layer.choose(env) == "tbb" and env == {"NUMBA_THREADING_LAYER": "tbb"}
+    assert not threading_layer.follows_load(env)
+    monkeypatch.setattr(threading_layer, "preload_tbb", lambda: False)
+    env = {}
+    assert threading_layer.choose(env) == "default" and env == {}
+
+
+def test_libgomp_loads_here():
+    """The check itself, on this machine: numba's OpenMP pool and libgomp are there (CI's Debian
+    and these VMs ship libgomp), without importing numba first."""
+    assert threading_layer.omp_loads()
+
+
+def test_default_process_runs_on_spinning_omp():
     got = _probe()
-    assert got == {"layer": "tbb", "spin": None, "policy": None}
+    assert got == {"layer": "omp", "spin": threading_layer.DEFAULT["GOMP_SPINCOUNT"], "policy": None}
 
 
 def test_process_with_omp_setting_runs_on_omp_as_given():

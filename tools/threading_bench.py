@@ -24,11 +24,12 @@ import sys
 #: name -> environment overrides; "tierlab default" sets nothing.
 POLICIES = {
     "tierlab default": {},
+    "tbb (the default before)": {"NUMBA_THREADING_LAYER": "tbb"},
     "omp PASSIVE, spin 1000 (old default)": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"},
-    "omp, libgomp default spin (300000)": {"NUMBA_THREADING_LAYER": "omp", "GOMP_SPINCOUNT": "300000"},
+    "omp, libgomp default spin (300000), threads fixed": {"NUMBA_THREADING_LAYER": "omp", "GOMP_SPINCOUNT": "300000"},
     "omp ACTIVE, spin infinite": {"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "infinite"},
 }
-_CLEARED = ("NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+_CLEARED = ("NUMBA_THREADING_LAYER", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TIERLAB_THREADING")
 
 
 def run_once(model: str, tokens: int, overrides: dict) -> dict:

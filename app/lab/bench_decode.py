@@ -100,6 +100,7 @@ class DecodeReport:
     dense_kind: str = ""
     page_cache_dropped: bool = False
     state_bytes: int = 0  # sequence state per decode token (state_bytes_per_token), mid-decode
+    threading: str = ""  # the pool, its waiting, and the load-following thread count at the end
 
     def to_json(self) -> dict:
         return dict(vars(self))
@@ -154,7 +155,18 @@ def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_toke
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, cold=cold,
         dense_kind=dense_kind(engine), page_cache_dropped=dropped,
         state_bytes=state_bytes_per_token(engine.config, prompt_tokens + decode_tokens / 2),
+        threading=_threading_line(engine),
     )
+
+
+def _threading_line(engine) -> str:
+    from tierlab.engine import threading_layer
+
+    follower = getattr(engine, "threads", None)
+    line = threading_layer.describe()
+    if follower is None or not follower.enabled:
+        return line
+    return f"{line} ({follower.threads} of {follower.max_threads} now, {follower.switches} changes)"
 
 
 def format_decode_report(r: DecodeReport) -> str:
@@ -174,5 +186,5 @@ def format_decode_report(r: DecodeReport) -> str:
         f"the roofline) -> with it {r.bandwidth_gbs * 1e9 / (r.weight_bytes['total'] + r.state_bytes):.1f} tok/s",
         "ms/token: " + " ".join(f"{k} {ms[k]:.2f}" for k in TIMER_NAMES),
         f"peak RSS {r.peak_rss_mb:.0f} MiB",
-    ]
+    ] + ([r.threading] if r.threading else [])
     return "\n".join(lines)
