@@ -216,12 +216,15 @@ class ExpertStore:
         self._tier = None
         self._tier_report: dict = {}
 
+    def _slot_bytes(self, slots: int) -> int:
+        """Bytes of `slots` slots in every MoE layer."""
+        return slots * self._source.blob_nbytes * sum(1 for m in self.moe_layers if m)
+
     def _fits_in_memory(self, slots: int, held: int) -> bool:
         """Whether every MoE layer's `slots` slots fit in the memory this process may use now,
         counting `held` bytes of slots it already holds (and will give back) as free."""
-        need = slots * self._source.blob_nbytes * sum(1 for m in self.moe_layers if m)
         room = budget.auto_budget()
-        return room is not None and need <= room + held
+        return room is not None and self._slot_bytes(slots) <= room + held
 
     def _new_layer(self, slots: int, prefault: bool = False) -> dict:
         """A layer's slots; with `prefault`, their memory resident now, while loading or
@@ -1004,8 +1007,7 @@ class ExpertStore:
     def _resize_layers(self, slots: int) -> None:
         """Under the lock: each layer drained of loads and uses, then rebuilt with `slots` slots.
         Prefetches hold off meanwhile (`_resizing`), so a loader in a loop cannot starve it."""
-        held_bytes = self._slots * self._source.blob_nbytes * sum(1 for m in self.moe_layers if m)
-        prefault = self._fits_in_memory(slots, held_bytes)
+        prefault = self._fits_in_memory(slots, held=self._slot_bytes(self._slots))
         for layer, st in enumerate(self._layers):
             if st is None:
                 continue

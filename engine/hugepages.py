@@ -33,12 +33,12 @@ def empty(shape, dtype, prefault: bool = False) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     nbytes = count * dtype.itemsize
     if nbytes < MIN_HUGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return _touched(np.empty(shape, dtype=dtype)) if prefault else np.empty(shape, dtype=dtype)
+        return _plain(shape, dtype, prefault)
     try:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         region.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError):
-        return _touched(np.empty(shape, dtype=dtype)) if prefault else np.empty(shape, dtype=dtype)
+        return _plain(shape, dtype, prefault)
     # the array keeps the mapping alive (it is the array's base)
     out = np.frombuffer(region, dtype=dtype, count=count).reshape(shape)
     if prefault:
@@ -47,6 +47,12 @@ def empty(shape, dtype, prefault: bool = False) -> np.ndarray:
         except OSError:  # a kernel before 5.14: fault the pages in by writing to each
             _touched(out)
     return out
+
+
+def _plain(shape, dtype, prefault: bool) -> np.ndarray:
+    """A numpy array of its own (small, or no huge-page advice here), its pages written if asked."""
+    arr = np.empty(shape, dtype=dtype)
+    return _touched(arr) if prefault else arr
 
 
 def _touched(arr: np.ndarray) -> np.ndarray:

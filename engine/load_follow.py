@@ -49,7 +49,7 @@ def _busy_ticks(text: str, cpus: set[int]) -> int | None:
         if cpu not in cpus:
             continue
         v = [int(f) for f in fields[:8]] + [0] * max(0, 8 - len(fields))
-        user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = v
         total += user + nice + system + irq + softirq + steal
         seen.add(cpu)
     return total if seen == cpus else None
@@ -128,9 +128,10 @@ class LoadFollower:
             self._applied.n = n
 
     def describe(self) -> str:
+        """Where the count stands, for reports ("" when it does not follow the load)."""
         if not self.enabled:
-            return "threads fixed"
-        return f"threads follow the load ({self.threads} of {self.max_threads} now, {self.switches} changes)"
+            return ""
+        return f"{self.threads} of {self.max_threads} now, {self.switches} changes"
 
 
 _PROCESS: LoadFollower | None = None

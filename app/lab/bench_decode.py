@@ -163,10 +163,8 @@ def _threading_line(engine) -> str:
     from tierlab.engine import threading_layer
 
     follower = getattr(engine, "threads", None)
-    line = threading_layer.describe()
-    if follower is None or not follower.enabled:
-        return line
-    return f"{line} ({follower.threads} of {follower.max_threads} now, {follower.switches} changes)"
+    state = follower.describe() if follower is not None else ""
+    return threading_layer.describe() + (f" ({state})" if state else "")
 
 
 def format_decode_report(r: DecodeReport) -> str:
