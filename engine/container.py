@@ -36,6 +36,7 @@ from tierlab.engine.atomic import write_atomic
 from tierlab.engine.errors import ModelError
 from tierlab.engine.kernels import qmatvec
 from tierlab.engine.qlinear import quantize_matrix
+from tierlab.engine.readahead import FileRange
 from tierlab.engine.quant import build_blob_fast
 from tierlab.engine.safetensors_file import TensorSpec, read_tensor, write_file
 
@@ -403,6 +404,10 @@ class ContainerExpertSource:
             if blob_hash(view) != int(self.checksums[layer, expert]):
                 raise ChecksumMismatch(self.folder / EXPERTS_BIN, layer, expert)
             self.verified[layer, expert] = True
+
+    def expert_ranges(self) -> list[FileRange]:
+        """Where the experts' bytes lie: all of experts.bin (for the read-ahead at load)."""
+        return [FileRange(self.folder / EXPERTS_BIN, 0, self.info.experts_nbytes)]
 
     def forward(self, blob: np.ndarray, x: np.ndarray, y: np.ndarray, w: float) -> None:
         """y += w * down(silu(gate x) * (up x)) for one blob filled by read()."""

@@ -17,6 +17,7 @@ from tierlab.engine.blob_layout import BlobLayout
 from tierlab.engine.checkpoint import Checkpoint, to_f32
 from tierlab.engine.errors import ModelError
 from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD
+from tierlab.engine.readahead import FileRange
 from tierlab.engine.safetensors_file import DTYPES, FileHandles
 
 _KIND_OF_DTYPE = {"F32": "fp32", "BF16": "bf16"}
@@ -61,6 +62,12 @@ class RawExpertSource:
             raise ModelError(f"layer {layer} expert {expert}: read {pos} bytes, expected {self.blob_nbytes}", self.ckpt.dir)
         self.ckpt.check_expert_finite(layer, expert, out[:pos].view(np.float32 if self.elem == 4 else np.uint16),
                                       "F32" if self.elem == 4 else "BF16")
+
+    def expert_ranges(self) -> list[FileRange]:
+        """Where in the shards every expert's bytes lie (for the read-ahead at load)."""
+        return [FileRange(piece.info.path, piece.offset, piece.count * DTYPES[piece.info.dtype][1])
+                for layer, moe in enumerate(self.ckpt.config.moe_layers) if moe
+                for pieces in self.ckpt.expert_pieces(layer) for piece in pieces]
 
     def forward(self, blob: np.ndarray, x: np.ndarray, y: np.ndarray, w: float) -> None:
         """y += w * down(silu(gate x) * up x)."""

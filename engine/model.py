@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from tierlab.engine import load_follow
+from tierlab.engine import load_follow, readahead
 from tierlab.engine.checkpoint import Checkpoint, to_f32
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.container import ChecksumMismatch
@@ -96,6 +96,8 @@ class Engine:
         self.threads = load_follow.for_process()
         self._hot_pinned = False
         self.sequence_serial = 0
+        #: the page-cache read-ahead of the experts that load_engine starts (engine/readahead.py)
+        self.readahead: threading.Thread | None = None
         self.reset()
         self.store.attach_tier(tier, self.heat_log.plan_file)
 
@@ -519,6 +521,8 @@ def load_engine(model_dir: str | Path, cache_slots: int | None = None, knobs: Kn
     from tierlab.engine.routing import Router
 
     engine.router = Router(cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.norm_topk_prob)
+    # after the dense weights (which the disk then serves first), before the warm-up's compiles
+    engine.readahead = readahead.start(source.expert_ranges())
     if warmup:
         from tierlab.engine.warmup import warm_up
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from residency import resident_fraction
 from tierlab.engine import hugepages
 
 
@@ -26,27 +27,13 @@ def test_small_buffers_and_row_concatenation():
     np.testing.assert_array_equal(hugepages.concat_rows(big), np.concatenate(big))
 
 
-def _resident_fraction(arr: np.ndarray) -> float:
-    """Share of `arr`'s pages in memory, from the kernel's own page table (mincore)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    pages = (arr.nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * pages)()
-    assert arr.ctypes.data % mmap.PAGESIZE == 0
-    assert libc.mincore(arr.ctypes.data, arr.nbytes, vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec) / pages
-
-
 def test_a_prefaulted_buffer_is_resident_before_anything_writes_to_it():
     """The RAM cache's slots are faulted in while loading, not under the first prompt."""
     nbytes = 8 * hugepages.MIN_HUGE_BYTES
     lazy = hugepages.empty((nbytes,), np.uint8)
     ready = hugepages.empty((nbytes,), np.uint8, prefault=True)
-    assert _resident_fraction(lazy) < 0.5
-    assert _resident_fraction(ready) == 1.0
+    assert resident_fraction(lazy) < 0.5
+    assert resident_fraction(ready) == 1.0
     ready[:] = 7  # still an ordinary writable array
     assert int(ready[::4096].sum()) == 7 * (nbytes // 4096)
 
@@ -55,7 +42,7 @@ def test_without_the_populate_advice_the_pages_are_touched_instead(monkeypatch):
     """A kernel before 5.14 rejects MADV_POPULATE_WRITE: each page is written once instead."""
     monkeypatch.setattr(hugepages, "MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows
     ready = hugepages.empty((8 * hugepages.MIN_HUGE_BYTES,), np.uint8, prefault=True)
-    assert _resident_fraction(ready) == 1.0
+    assert resident_fraction(ready) == 1.0
 
 
 def test_the_expert_cache_prefaults_its_slots_only_when_they_fit(oracle_models, monkeypatch):
@@ -71,12 +58,12 @@ def test_the_expert_cache_prefaults_its_slots_only_when_they_fit(oracle_models, 
     source = RawExpertSource(Checkpoint(folder, load_config(folder)))
     slots = max(2, -(-8 * hugepages.MIN_HUGE_BYTES // source.blob_nbytes))  # a buffer on huge pages
     store = ExpertStore(source, 1, slots, slots, [True], notice=print)
-    assert _resident_fraction(store._layers[0]["store"]) == 1.0
+    assert resident_fraction(store._layers[0]["store"]) == 1.0
     monkeypatch.setattr(budget, "auto_budget", lambda: 0)
     lazy = ExpertStore(source, 1, slots, slots - 2, [True], notice=print)
-    assert _resident_fraction(lazy._layers[0]["store"]) < 0.5
+    assert resident_fraction(lazy._layers[0]["store"]) < 0.5
     lazy.set_slots(slots - 1)  # a resize decides again: the slots it gives back count as free
-    assert _resident_fraction(lazy._layers[0]["store"]) < 0.5
+    assert resident_fraction(lazy._layers[0]["store"]) < 0.5
     monkeypatch.setattr(budget, "auto_budget", lambda: 1 << 40)
     lazy.set_slots(slots)
-    assert _resident_fraction(lazy._layers[0]["store"]) == 1.0
+    assert resident_fraction(lazy._layers[0]["store"]) == 1.0

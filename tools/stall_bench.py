@@ -10,11 +10,15 @@ from process start to ready, the first token's latency after ready, and the
 largest gap between two tokens (overall, and at each change).
 
     python tools/stall_bench.py [--model DIR] [--tokens 60] [--cache N] [--no-warmup] [--app]
-                                [--numba-cache DIR --starts N]
+                                [--numba-cache DIR --starts N] [--cold-page-cache]
 
 With --numba-cache the runs use that folder as numba's cache and keep it: the
 first start fills it, and --starts later starts are timed on it (several trees
 interleaved on one cache: numba keys its cache by each kernel's source).
+
+With --cold-page-cache each start begins with the model folder's files
+dropped from the page cache (`POSIX_FADV_DONTNEED`), as after a reboot: the
+weights then come from the disk.
 
 With --app the same is measured in the app itself (TierlabApp under
 `App.run_test()`, headless): ready is the engine appearing in the app, the
@@ -174,6 +178,21 @@ def run_once(model: Path, tokens: int, toggle: int, warm: bool, cache_dir: str, 
     return {"ready_s": ready_s, **result}
 
 
+def drop_from_page_cache(folder: Path) -> int:
+    """Evict every file of the model folder from the page cache; returns the bytes advised."""
+    total = 0
+    for path in sorted(folder.iterdir()):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
 def compiled_text(names: list[str]) -> str:
     if not names:
         return "none"
@@ -196,6 +215,8 @@ def main() -> int:
     parser.add_argument("--numba-cache", type=Path, default=None,
                         help="numba's cache folder, kept (default: a new empty one per mode, then one start on it)")
     parser.add_argument("--starts", type=int, default=1, help="with --numba-cache: starts timed on it (default 1)")
+    parser.add_argument("--cold-page-cache", action="store_true",
+                        help="drop the model's files from the page cache before each start")
     args = parser.parse_args()
     modes = [True] + ([False] if args.no_warmup else [])
     for warm in modes:
@@ -207,6 +228,9 @@ def main() -> int:
             else:
                 starts = ["empty cache", "cached"]
             for start in starts:
+                if args.cold_page_cache:
+                    dropped = drop_from_page_cache(args.model)
+                    start += f", {dropped / 1e6:.0f} MB dropped from the page cache"
                 r = run_once(args.model, args.tokens, args.toggle, warm, cache_dir, args.app, args.cache)
                 changes = ", ".join(f"{k} {v:.0f}" for k, v in r["gap_after_change_ms"].items())
                 print(f"{'app' if args.app else 'engine'} | {'warm-up' if warm else 'no warm-up'} | {start} | "
