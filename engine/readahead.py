@@ -15,6 +15,7 @@ would only push other files out of the page cache.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ def start(ranges: list[FileRange], free: int | None = None) -> threading.Thread 
         return None
 
     def run() -> None:
-        for path, group in _by_file(ranges):
+        for path, group in itertools.groupby(ranges, key=lambda r: r.path):  # merged: file by file
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError:
@@ -86,6 +87,13 @@ def start(ranges: list[FileRange], free: int | None = None) -> threading.Thread 
     return thread
 
 
-def _by_file(ranges: list[FileRange]):
-    paths = list(dict.fromkeys(r.path for r in ranges))
-    return [(p, [r for r in ranges if r.path == p]) for p in paths]
+def evict(path: Path) -> int:
+    """The opposite, for benchmarks and tests that start from a cold page cache: the file's
+    dirty pages written, then all of it dropped from the page cache; returns its size."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)

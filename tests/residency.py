@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 from pathlib import Path
 
 import numpy as np
+
+from tierlab.engine import readahead
 
 
 def resident_fraction(arr: np.ndarray) -> float:
@@ -32,10 +33,5 @@ def file_resident_fraction(path: Path) -> float:
 
 def evict(path: Path) -> bool:
     """Drop the file from the page cache; False where the filesystem keeps it (tmpfs)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    readahead.evict(path)
     return file_resident_fraction(path) < 0.1

@@ -179,18 +179,10 @@ def run_once(model: Path, tokens: int, toggle: int, warm: bool, cache_dir: str, 
 
 
 def drop_from_page_cache(folder: Path) -> int:
-    """Evict every file of the model folder from the page cache; returns the bytes advised."""
-    total = 0
-    for path in sorted(folder.iterdir()):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                total += os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-    return total
+    """Evict every file of the model folder from the page cache; returns the bytes dropped."""
+    from tierlab.engine.readahead import evict
+
+    return sum(evict(path) for path in sorted(folder.iterdir()) if path.is_file())
 
 
 def compiled_text(names: list[str]) -> str:
