@@ -67,7 +67,10 @@ def test_loading_a_container_reads_its_experts_ahead(container):
     try:
         assert engine.readahead is not None
         engine.readahead.join(30)
-        assert _resident_soon(experts) == 1.0
+        # POSIX_FADV_WILLNEED is advice: with the disk queue busy (another process's I/O) the
+        # kernel has left a few pages of this 1 MiB file unread (0.98 once, in a full run beside
+        # another test run); without the advice the file stays under a tenth resident
+        assert _resident_soon(experts) >= 0.95
     finally:
         engine.close()
 
