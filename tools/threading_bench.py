@@ -49,7 +49,13 @@ def run_once(model: str, tokens: int, prompt_tokens: int, overrides: dict) -> di
     return json.loads(out.strip().splitlines()[-1])
 
 
-def gap_lines(rows: dict, keys: list, conds: list) -> list:
+def medians(rows: dict) -> dict:
+    """(policy, condition) -> (median decode tok/s, median prefill tok/s)."""
+    return {key: (statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals))
+            for key, vals in rows.items()}
+
+
+def gap_lines(med: dict, keys: list, conds: list) -> list:
     """How far the default's median is behind the best fixed policy, per column."""
     out = []
     fixed = [k for k in keys if k != "default"]
@@ -57,12 +63,12 @@ def gap_lines(rows: dict, keys: list, conds: list) -> list:
         return out
     for cond in conds:
         for idx, what in ((0, "decode"), (1, "prefill")):
-            med = {k: statistics.median(v[idx] for v in rows[(k, cond)]) for k in keys}
-            best = max(fixed, key=med.get)
-            gap = 100.0 * (med["default"] / med[best] - 1.0)
-            line = f"{cond} {what}: default {med['default']:.1f}, best fixed {POLICIES[best][0]} {med[best]:.1f} ({gap:+.1f}%)"
+            col = {k: med[(k, cond)][idx] for k in keys}
+            best = max(fixed, key=col.get)
+            gap = 100.0 * (col["default"] / col[best] - 1.0)
+            line = f"{cond} {what}: default {col['default']:.1f}, best fixed {POLICIES[best][0]} {col[best]:.1f} ({gap:+.1f}%)"
             if "passive" in keys:
-                line += f"; PASSIVE {med['passive']:.1f}"
+                line += f"; PASSIVE {col['passive']:.1f}"
             out.append(line)
     return out
 
@@ -97,13 +103,11 @@ def main() -> int:
     print(f"model {a.model}, {a.prompt_tokens}-token prompt, {a.tokens} decode tokens, {a.rounds} rounds, median tok/s")
     print("| policy | " + " | ".join(f"{c} decode | {c} prefill" for c in conds) + " |")
     print("|---|" + "---|---|" * len(conds))
+    med = medians(rows)
     for k in keys:
-        cells = []
-        for cond in conds:
-            vals = rows[(k, cond)]
-            cells += [f"{statistics.median(v[0] for v in vals):.1f}", f"{statistics.median(v[1] for v in vals):.1f}"]
+        cells = [f"{v:.1f}" for cond in conds for v in med[(k, cond)]]
         print(f"| {POLICIES[k][0]} | " + " | ".join(cells) + " |")
-    for line in gap_lines(rows, keys, conds):
+    for line in gap_lines(med, keys, conds):
         print(line)
     return 0
 
