@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tierlab.engine import quant as Q
-from tierlab.engine.kernels.qmatmat import expert_matmat, experts_matmat, matmat
+from tierlab.engine.kernels.qmatmat import _TOKENS_PER_PASS, expert_matmat, experts_matmat, matmat
 from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD, expert_forward_tokens
 
 
@@ -33,6 +33,17 @@ def test_matmat_matches_float64(kind, tokens):
     ref = x.astype(np.float64) @ ref_w.T
     assert got.shape == (tokens, rows)
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_bf16_matmat_of_columns_not_a_multiple_of_16(tokens):
+    """Rows whose length no 16-lane pass divides (a bf16 matrix may have any width) take the
+    two-token pass: still within 1e-5 of float64."""
+    rng = np.random.default_rng(10 + tokens)
+    parts, ref_w = _weights("bf16", 21, 72, rng)
+    x = rng.standard_normal((tokens, 72)).astype(np.float32)
+    ref = x.astype(np.float64) @ ref_w.T
+    assert np.abs(matmat("bf16", parts, x) - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def _blob(kind: str, hidden: int, inter: int, rng) -> np.ndarray:
@@ -98,14 +109,26 @@ def test_expert_matmat_matches_float64(kind, tokens):
 
 @pytest.mark.parametrize("kind", ["bf16", "int4"])
 def test_matmat_gives_a_token_the_same_bits_whatever_the_prompt_length(kind):
-    """Tokens go through the kernel in pairs: a token's row of the product is the same whether
-    it is paired, alone at the end, or the prompt is one token longer."""
+    """Tokens go through the kernel two or four at a time: a token's row of the product is the
+    same whether its pass is full, it is alone at the end, or the prompt is one token longer."""
     rng = np.random.default_rng(2)
     parts, _ = _weights(kind, 40, 128, rng)
     x = rng.standard_normal((6, 128)).astype(np.float32)
     full = matmat(kind, parts, x)
     for n in (2, 3, 5):
         np.testing.assert_array_equal(matmat(kind, parts, x[:n]), full[:n])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_matmat_gives_a_token_the_same_bits_in_any_slot_of_a_pass(kind):
+    """With four tokens a pass (AVX-512) every slot takes the same additions: a token moved one
+    slot (the prompt one token shorter at the front) keeps its bits; with two a pass, two slots."""
+    rng = np.random.default_rng(3)
+    parts, _ = _weights(kind, 40, 256, rng)
+    x = rng.standard_normal((11, 256)).astype(np.float32)
+    full = matmat(kind, parts, x)
+    for shift in range(1, 4) if _TOKENS_PER_PASS == 4 else (2,):
+        np.testing.assert_array_equal(matmat(kind, parts, x[shift:]), full[shift:])
 
 
 def _one_token(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
