@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""A prompt's kernels at the real width, one line each: multiply-adds per second and ms.
+
+Why: a prompt's time is in three kinds of kernel calls (the dense projections'
+`qmatmat.matmat_*`, the routed experts' `experts_gate_up` / `experts_down`, and
+`dense.attention`); this times each alone at the shapes of Qwen3.6-35B-A3B
+(hidden 2048, experts 512 wide, 16 query / 2 key-value heads of 256) on random
+weights, so that a kernel change can be compared in interleaved fresh processes
+of two checkouts without the rest of a prefill's noise:
+
+    for i in 1 2 3; do for p in /tmp/before ""; do
+        env ${p:+PYTHONPATH=$p} python tools/prompt_kernels.py; done; done
+
+Lines: `pass` (one core, cache-hot: `qmatmat._dot_rows4`, four widened rows of 512
+columns against 16 tokens, the inner step of every matmat; GMAC/s of the calling
+thread's CPU time); `matmat KIND ROWSxCOLS T=n` (median of timed calls over copies of the
+matrix that do not fit in the last-level cache, GMAC/s); `experts KIND
+gate_up|down` (64 experts, 128 tokens routed top-8 at random, GMAC/s of the
+launch); `attention T=n` (a causal prompt of n tokens, ms) and `attention
+decode at N` (one token over N cached positions, us). Threads: numba's
+(NUMBA_NUM_THREADS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from numba import njit
+
+from tierlab.engine import hugepages
+from tierlab.engine.blob_layout import blob_nbytes
+from tierlab.engine.kernels import qmatmat
+from tierlab.engine.kernels.dense import attention
+from tierlab.engine.kernels.qmatvec import quant_matrices
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 64, 8
+Q_HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
+
+
+def median_s(call, n: int) -> float:
+    call()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _matrices(kind: str, rows: int, cols: int, copies: int, rng) -> list[tuple]:
+    """`copies` random operand tuples of one kind, as `qmatmat.matmat` takes them."""
+    if kind == "bf16":
+        arena = hugepages.empty((copies, rows, cols), np.uint16)
+        arena[:] = rng.integers(0x3C00, 0x3F80, size=arena.shape, dtype=np.uint16)
+        return [(arena[i],) for i in range(copies)]
+    per_row = cols if kind == "int8" else cols // 2
+    q = hugepages.empty((copies, rows, per_row), np.int8 if kind == "int8" else np.uint8)
+    q.view(np.uint8)[:] = rng.integers(0, 256, size=q.shape, dtype=np.uint8)
+    s = np.full((copies, rows, cols // 64), 0.01, np.float32)
+    return [(q[i], s[i]) for i in range(copies)]
+
+
+@njit(nogil=True)
+def _passes(block, xs, acc, calls):
+    """`calls` calls of the pass, in compiled code (a call from Python costs as much as one pass)."""
+    for _ in range(calls):
+        qmatmat._dot_rows4(block, xs, 0, xs.shape[1], acc)
+
+
+def pass_line(rng) -> str:
+    block = rng.standard_normal((1, 4, 512), dtype=np.float32)
+    xs = rng.standard_normal((1, 16, 512), dtype=np.float32)
+    acc = np.empty((16 + 3, 4), np.float32)  # room for a last pass's repeated tokens
+    calls = 20000
+    _passes(block, xs, acc, 1)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.thread_time()
+        _passes(block, xs, acc, calls)
+        best = min(best, time.thread_time() - t0)
+    return f"pass 4x512 T=16: {calls * 4 * 512 * 16 / best / 1e9:.1f} GMAC/s"
+
+
+def matmat_lines(kinds: list[str], rng) -> list[str]:
+    lines = []
+    for kind in kinds:
+        for rows, cols, tokens in ((12352, 2048, 128), (2048, 4096, 128), (512, 2048, 16)):
+            bytes_one = rows * cols * (2 if kind == "bf16" else 1)
+            ops = _matrices(kind, rows, cols, max(2, (256 << 20) // bytes_one), rng)
+            x = rng.standard_normal((tokens, cols), dtype=np.float32)
+            out = np.empty((tokens, rows), np.float32)
+            turn = iter(range(1 << 30))
+
+            def call():
+                parts = ops[next(turn) % len(ops)]
+                if kind == "bf16":
+                    qmatmat.matmat_bf16(parts[0], x, out)
+                else:
+                    qmatmat.matmat_quant(parts[0], parts[1], x, out)
+
+            t = median_s(call, 20)
+            lines.append(f"matmat {kind} {rows}x{cols} T={tokens}: {rows * cols * tokens / t / 1e9:.1f} GMAC/s")
+    return lines
+
+
+def experts_lines(kinds: list[str], tokens: int, rng) -> list[str]:
+    lines = []
+    for kind in kinds:
+        nbytes = blob_nbytes(kind, HIDDEN, INTER)
+        arena = hugepages.empty((EXPERTS, nbytes), np.uint8)
+        arena[:] = rng.integers(0, 256, size=arena.shape, dtype=np.uint8)
+        if kind == "bf16":
+            arena.view(np.uint16)[:] = rng.integers(0x3C00, 0x3F80, size=(EXPERTS, nbytes // 2), dtype=np.uint16)
+        else:
+            for e in range(EXPERTS):  # finite scales
+                for scales in quant_matrices(arena[e], 4 if kind == "int4" else 8, HIDDEN, INTER)[1::2]:
+                    scales[:] = 0.01
+        chosen = np.argsort(rng.random((tokens, EXPERTS)), axis=1)[:, :TOP_K]
+        users = [np.nonzero((chosen == e).any(axis=1))[0] for e in range(EXPERTS)]
+        starts = np.zeros(EXPERTS + 1, np.int64)
+        np.cumsum([len(u) for u in users], out=starts[1:])
+        rows = np.concatenate(users).astype(np.int64)
+        dest = np.arange(rows.size, dtype=np.int64)
+        bases = np.array([arena[e].ctypes.data for e in range(EXPERTS)], np.intp)
+        x = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
+        width, h_width = qmatmat._chunk_width(HIDDEN), qmatmat._chunk_width(INTER)
+        xs = np.empty((HIDDEN // width, rows.size, width), np.float32)
+        qmatmat.gather_chunked(x, rows, width, xs)
+        hs = np.empty((INTER // h_width, rows.size, h_width), np.float32)
+        out = np.empty((rows.size, HIDDEN), np.float32)
+        marker = qmatmat._MARKERS[kind]
+        gate_up = median_s(lambda: qmatmat.experts_gate_up(marker, bases, nbytes, HIDDEN, INTER, xs, starts, hs), 8)
+        down = median_s(lambda: qmatmat.experts_down(marker, bases, nbytes, HIDDEN, INTER, hs, starts, out, dest), 8)
+        macs = rows.size * HIDDEN * INTER
+        lines.append(f"experts {kind} gate_up: {2 * macs / gate_up / 1e9:.1f} GMAC/s ({1e3 * gate_up:.1f} ms)")
+        lines.append(f"experts {kind} down: {macs / down / 1e9:.1f} GMAC/s ({1e3 * down:.1f} ms)")
+    return lines
+
+
+def attention_lines(lengths: list[int], decode_at: int, rng) -> list[str]:
+    lines = []
+    cap = max(lengths + [decode_at + 1])
+    k = rng.standard_normal((KV_HEADS, cap, HEAD_DIM), dtype=np.float32)
+    v = rng.standard_normal((KV_HEADS, cap, HEAD_DIM), dtype=np.float32)
+    for n in lengths:
+        q = rng.standard_normal((n, Q_HEADS, HEAD_DIM), dtype=np.float32)
+        out = np.empty_like(q)
+        t = median_s(lambda: attention(q, k, v, 0, out), 5)
+        lines.append(f"attention T={n}: {1e3 * t:.1f} ms")
+    q = rng.standard_normal((1, Q_HEADS, HEAD_DIM), dtype=np.float32)
+    out = np.empty_like(q)
+    t = median_s(lambda: attention(q, k, v, decode_at, out), 200)
+    lines.append(f"attention decode at {decode_at}: {1e6 * t:.1f} us")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kinds", default="int4,int8,bf16", help="comma-separated: int4,int8,bf16")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="tokens routed in the experts' launches")
+    p.add_argument("--attention", default="128,512", help="prompt lengths for attention, comma-separated")
+    p.add_argument("--decode-at", type=int, default=300)
+    a = p.parse_args()
+    rng = np.random.default_rng(0)
+    kinds = a.kinds.split(",")
+    for line in ([pass_line(rng)] + matmat_lines(kinds, rng) + experts_lines(kinds, a.prompt_tokens, rng)
+                 + attention_lines([int(n) for n in a.attention.split(",")], a.decode_at, rng)):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
