@@ -98,53 +98,44 @@ def rope_inplace(x, positions, inv_freq, rotary_dim):
                 x[t, h, i + half] = b * c + a * s
 
 
-@njit(nogil=True, fastmath=True, cache=True, parallel=True)
+@njit(nogil=True, fastmath=True, cache=True)
 def attention(q, k_cache, v_cache, start, out):
     """Causal GQA attention for T new tokens at positions start..start+T-1.
 
     q: [T, Hq, d]; k_cache, v_cache: [Hkv, maxT, d] already holding the new
     tokens; out: [T, Hq, d]. Scores are scaled by 1/sqrt(d) and softmaxed in
-    float32. The (head, token) pairs are spread over the threads head by head
-    (every head has the same work, where later tokens have more), each pair
-    computed by `_attend` alone, so a token gets the same bits in a prompt and
-    in decode.
+    float32.
     """
     t_count, n_heads, d = q.shape
-    group = n_heads // k_cache.shape[0]
+    n_kv = k_cache.shape[0]
+    group = n_heads // n_kv
     scale = np.float32(1.0 / math.sqrt(d))
-    for w in prange(n_heads * t_count):
-        h = w // t_count
-        t = w % t_count
-        scores = np.empty(start + t + 1, dtype=np.float32)
-        _attend(q, k_cache, v_cache, t, h, h // group, scale, scores, out)
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def _attend(q, k_cache, v_cache, t, h, kvh, scale, scores, out):
-    """out[t, h] for query head h of token t over the first len(scores) cached positions."""
-    length = scores.shape[0]
-    d = q.shape[2]
-    m = np.float32(-np.inf)
-    for j in range(length):
-        acc = np.float32(0.0)
-        for i in range(d):
-            acc += q[t, h, i] * k_cache[kvh, j, i]
-        acc *= scale
-        scores[j] = acc
-        if acc > m:
-            m = acc
-    total = np.float32(0.0)
-    for j in range(length):
-        e = np.float32(math.exp(scores[j] - m))
-        scores[j] = e
-        total += e
-    inv = np.float32(1.0) / total
-    for i in range(d):
-        out[t, h, i] = 0.0
-    for j in range(length):
-        p = scores[j] * inv
-        for i in range(d):
-            out[t, h, i] += p * v_cache[kvh, j, i]
+    scores = np.empty(start + t_count, dtype=np.float32)
+    for t in range(t_count):
+        length = start + t + 1
+        for h in range(n_heads):
+            kvh = h // group
+            m = np.float32(-np.inf)
+            for j in range(length):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    acc += q[t, h, i] * k_cache[kvh, j, i]
+                acc *= scale
+                scores[j] = acc
+                if acc > m:
+                    m = acc
+            total = np.float32(0.0)
+            for j in range(length):
+                e = np.float32(math.exp(scores[j] - m))
+                scores[j] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for i in range(d):
+                out[t, h, i] = 0.0
+            for j in range(length):
+                p = scores[j] * inv
+                for i in range(d):
+                    out[t, h, i] += p * v_cache[kvh, j, i]
 
 
 @njit(nogil=True, fastmath=False, cache=True)
