@@ -137,8 +137,9 @@ def _token_tile(cols):
 # which on rows of 512 columns costs a third as much as the FMAs; here sixteen
 # 16-lane accumulators (four rows x four tokens) are summed by one tree of
 # shuffles into a single vector, lane 4s + k holding row k . token s, and
-# added to the caller's sums in one store: 97% of the FMA peak on one core,
-# against dot4x2's 75% (docs/benchmarks.md, Prefill). Every lane goes through
+# added to the caller's sums in one store: 92% of the FMA peak on one core,
+# against dot4x2's 71% (`tools/prompt_kernels.py`, its `pass` line;
+# docs/benchmarks.md, "Four tokens a pass"). Every lane goes through
 # the same additions, so a token's sums do not depend on its slot or on the
 # other tokens of the pass.
 
