@@ -29,37 +29,19 @@ import time
 import numpy as np
 from numba import njit
 
+from tierlab.app.lab import bench_kernels as B
 from tierlab.engine import hugepages
 from tierlab.engine.blob_layout import blob_nbytes
 from tierlab.engine.kernels import qmatmat
 from tierlab.engine.kernels.dense import attention
-from tierlab.engine.kernels.qmatvec import quant_matrices
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 64, 8
 Q_HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
 
 
 def median_s(call, n: int) -> float:
-    call()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def _matrices(kind: str, rows: int, cols: int, copies: int, rng) -> list[tuple]:
-    """`copies` random operand tuples of one kind, as `qmatmat.matmat` takes them."""
-    if kind == "bf16":
-        arena = hugepages.empty((copies, rows, cols), np.uint16)
-        arena[:] = rng.integers(0x3C00, 0x3F80, size=arena.shape, dtype=np.uint16)
-        return [(arena[i],) for i in range(copies)]
-    per_row = cols if kind == "int8" else cols // 2
-    q = hugepages.empty((copies, rows, per_row), np.int8 if kind == "int8" else np.uint8)
-    q.view(np.uint8)[:] = rng.integers(0, 256, size=q.shape, dtype=np.uint8)
-    s = np.full((copies, rows, cols // 64), 0.01, np.float32)
-    return [(q[i], s[i]) for i in range(copies)]
+    """Median seconds of n timed calls after a warm-up (`bench kernels`' own timer)."""
+    return B._time_calls(lambda i: call(), n, 0.0).median_s
 
 
 @njit(nogil=True)
@@ -88,7 +70,7 @@ def matmat_lines(kinds: list[str], rng) -> list[str]:
     for kind in kinds:
         for rows, cols, tokens in ((12352, 2048, 128), (2048, 4096, 128), (512, 2048, 16)):
             bytes_one = rows * cols * (2 if kind == "bf16" else 1)
-            ops = _matrices(kind, rows, cols, max(2, (256 << 20) // bytes_one), rng)
+            ops = B._random_operands(kind, rows, cols, max(2, (256 << 20) // bytes_one), rng)
             x = rng.standard_normal((tokens, cols), dtype=np.float32)
             out = np.empty((tokens, rows), np.float32)
             turn = iter(range(1 << 30))
@@ -110,13 +92,8 @@ def experts_lines(kinds: list[str], tokens: int, rng) -> list[str]:
     for kind in kinds:
         nbytes = blob_nbytes(kind, HIDDEN, INTER)
         arena = hugepages.empty((EXPERTS, nbytes), np.uint8)
-        arena[:] = rng.integers(0, 256, size=arena.shape, dtype=np.uint8)
-        if kind == "bf16":
-            arena.view(np.uint16)[:] = rng.integers(0x3C00, 0x3F80, size=(EXPERTS, nbytes // 2), dtype=np.uint16)
-        else:
-            for e in range(EXPERTS):  # finite scales
-                for scales in quant_matrices(arena[e], 4 if kind == "int4" else 8, HIDDEN, INTER)[1::2]:
-                    scales[:] = 0.01
+        for e in range(EXPERTS):
+            arena[e] = B._fused_blob(kind, HIDDEN, INTER, rng)
         chosen = np.argsort(rng.random((tokens, EXPERTS)), axis=1)[:, :TOP_K]
         users = [np.nonzero((chosen == e).any(axis=1))[0] for e in range(EXPERTS)]
         starts = np.zeros(EXPERTS + 1, np.int64)
