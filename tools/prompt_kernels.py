@@ -48,7 +48,7 @@ def median_s(call, n: int) -> float:
 def _passes(block, xs, acc, calls):
     """`calls` calls of the pass, in compiled code (a call from Python costs as much as one pass)."""
     for _ in range(calls):
-        qmatmat._dot_rows4(block, xs, 0, xs.shape[1], acc)
+        qmatmat._dot_rows4(block, xs, 0, xs.shape[1], acc, xs[0], 0, xs[0], 0, 0, 0, 0)
 
 
 def pass_line(rng) -> str:

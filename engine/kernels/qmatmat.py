@@ -26,8 +26,8 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from tierlab.engine.blob_layout import GROUP, blob_nbytes
-from tierlab.engine.kernels.qmatvec import (_FAST, _I32, _I64, _V16F, _WIDE, _counted_loop, _load_vec, bf16_f32,
-                                            expert_views, quant_matrices, raw_matrices, wide_vectors)
+from tierlab.engine.kernels.qmatvec import (_FAST, _I32, _I64, _V16F, _WIDE, _counted_loop, _load_vec, _prefetch,
+                                            bf16_f32, expert_views, quant_matrices, raw_matrices, wide_vectors)
 
 _F32 = ir.FloatType()
 
@@ -205,48 +205,86 @@ def _dot4x4_into(typingctx, w4, x, ta, tb, tc, td, acc, at):
     return types.none(w4, x, ta, tb, tc, td, acc, at), codegen
 
 
+@intrinsic
+def _prefetch_lines(typingctx, m, r0, n_rows, first, count):
+    """Prefetch (into L2 on Zen, as the matvecs do) the 64-byte lines first..first+count-1 of
+    rows r0..r0+n_rows-1 of the C-ordered 2-D array m, those past the rows' end left out."""
+    if not (isinstance(m, types.Array) and m.ndim == 2 and m.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        r0_, n_, first_, count_ = (context.cast(builder, args[i], signature.args[i], types.int64) for i in range(1, 5))
+        stride = builder.extract_value(arr.strides, 0)
+        base = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()), [builder.mul(r0_, stride)])
+        lines = builder.sdiv(builder.add(builder.mul(n_, stride), ir.Constant(_I64, 63)), ir.Constant(_I64, 64))
+        end = builder.add(first_, count_)
+        end = builder.select(builder.icmp_signed("<", end, lines), end, lines)
+
+        def body(i, carried):
+            _prefetch(builder, base, builder.trunc(builder.mul(builder.add(first_, i), ir.Constant(_I64, 64)), _I32))
+            return carried
+
+        _counted_loop(builder, builder.sub(end, first_), [ir.Constant(_I64, 0)], body)
+        return context.get_dummy_value()
+
+    return types.none(m, r0, n_rows, first, count), codegen
+
+
 #: tokens a pass of `_dot_rows4` takes: 4 by `_dot4x4_into` (AVX-512), else 2 by `dot4x2`
 _TOKENS_PER_PASS = 4 if _WIDE else 2
 
 
 @njit(**_OPTS)
-def _dot_rows4(block, xs, t0, t1, acc):
+def _dot_rows4(block, xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done):
     """acc[t - t0, k] = row k of `block` (four widened rows, [chunks, 4, width]) . token t of xs
     for tokens t0..t1-1, `_TOKENS_PER_PASS` tokens a pass, chunk by chunk; acc has room for
     3 rows past t1 - t0 (a last pass's repeated tokens land there). A row's and a token's
     sums depend only on their own values (with dot4x2: and the token's parity; t0 is even),
-    never on T or on the other rows."""
+    never on T or on the other rows.
+    After each pass of four tokens, `step` more lines (from line `done` on) of rows ra.. and
+    rb.. (pn rows each) of pa and pb are prefetched (`_prefetch_lines`; step 0: none);
+    returns how many lines are then done."""
     acc[:] = 0.0
     last = t1 - 1
-    if _TOKENS_PER_PASS == 4 and block.shape[2] % 16 == 0:
-        for j in range(block.shape[0]):
-            wj = block[j]
-            xj = xs[j]
-            for t in range(t0, t1, 4):
-                _dot4x4_into(wj, xj, t, min(t + 1, last), min(t + 2, last), min(t + 3, last), acc, t - t0)
-        return
+    four = _TOKENS_PER_PASS == 4 and block.shape[2] % 16 == 0
     for j in range(block.shape[0]):
         wj = block[j]
         xj = xs[j]
-        for t in range(t0, t1, 2):
-            u = min(t + 1, last)
-            a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(wj, xj[t], xj[u])
-            acc[t - t0, 0] += a0
-            acc[t - t0, 1] += a1
-            acc[t - t0, 2] += a2
-            acc[t - t0, 3] += a3
-            if u != t:
-                acc[u - t0, 0] += b0
-                acc[u - t0, 1] += b1
-                acc[u - t0, 2] += b2
-                acc[u - t0, 3] += b3
+        for t in range(t0, t1, 4):
+            if four:
+                _dot4x4_into(wj, xj, t, min(t + 1, last), min(t + 2, last), min(t + 3, last), acc, t - t0)
+            else:
+                _dot4x2_into(wj, xj, t, min(t + 1, last), acc, t - t0)
+                if t + 2 < t1:
+                    _dot4x2_into(wj, xj, t + 2, min(t + 3, last), acc, t + 2 - t0)
+            if step:
+                _prefetch_lines(pa, ra, pn, done, step)
+                _prefetch_lines(pb, rb, pn, done, step)
+                done += step
+    return done
+
+
+@njit(**_OPTS)
+def _dot4x2_into(wj, xj, t, u, acc, at):
+    """acc[at, k] += row k . token t, and acc[at + 1, k] += row k . token u unless u == t."""
+    a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(wj, xj[t], xj[u])
+    acc[at, 0] += a0
+    acc[at, 1] += a1
+    acc[at, 2] += a2
+    acc[at, 3] += a3
+    if u != t:
+        acc[at + 1, 0] += b0
+        acc[at + 1, 1] += b1
+        acc[at + 1, 2] += b2
+        acc[at + 1, 3] += b3
 
 
 @njit(**_OPTS)
 def _store_rows(block, xs, t0, t1, r0, n, acc, out):
     """out[t, r0:r0+n] for tokens t0..t1-1: the four rows of `block` (rows past n are zeros)
     against those tokens (`_dot_rows4`)."""
-    _dot_rows4(block, xs, t0, t1, acc)
+    _dot_rows4(block, xs, t0, t1, acc, xs[0], 0, xs[0], 0, 0, 0, 0)
     for t in range(t0, t1):
         for k in range(n):
             out[t, r0 + k] = acc[t - t0, k]
@@ -539,11 +577,19 @@ def _copy_f32_span(src, dst):
 
 
 @njit(**_OPTS)
-def _dot_groups(blocks, n_groups, xs, t0, t1, acc, res):
+def _dot_groups(blocks, n_groups, xs, t0, t1, acc, res, pa, ra, pb, rb, pn):
     """res[t - t0, 4g + k] = row k of group g of `blocks` . token t of xs, for t0 <= t < t1,
-    group by group (`_dot_rows4`)."""
+    group by group (`_dot_rows4`). Meanwhile rows ra..ra+pn-1 of pa and rb..rb+pn-1 of pb,
+    the next work item's, are prefetched a few lines a pass, so that their reads from DRAM
+    overlap this item's arithmetic: without it a prompt's bf16 experts (rows of 4 KiB, each
+    a new page where the hardware prefetchers stop) ran 25-30% slower from DRAM than from
+    cache at 128 tokens (docs/benchmarks.md, "The next work item's rows")."""
+    passes = n_groups * xs.shape[0] * ((t1 - t0 + 3) // 4)
+    lines = (pn * pa.strides[0] + 63) // 64
+    step = (lines + passes - 1) // passes if pn > 0 else 0
+    done = 0
     for g in range(n_groups):
-        _dot_rows4(blocks[g], xs, t0, t1, acc)
+        done = _dot_rows4(blocks[g], xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done)
         for t in range(t1 - t0):
             for k in range(4):
                 res[t, 4 * g + k] = acc[t, k]
@@ -581,9 +627,13 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs):
             _widen_row_into(up, su, r0 + i, i % 4, blocks[_PAIR_ROWS // 4 + i // 4])
         acc = np.empty((tile + 3, 4), dtype=np.float32)
         res = np.empty((tile, 2 * _PAIR_ROWS), dtype=np.float32)
+        nxt = min(w + 1, bases.shape[0] * per - 1)  # the item this thread most likely takes next
+        gate_n, _, up_n, _, _, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
+        r_n = (nxt % per) * _PAIR_ROWS
+        n_n = min(_PAIR_ROWS, inter - r_n) if nxt != w else 0
         for t0 in range(starts[e], starts[e + 1], tile):
             t1 = min(starts[e + 1], t0 + tile)
-            _dot_groups(blocks, 2 * _PAIR_ROWS // 4, xs, t0, t1, acc, res)
+            _dot_groups(blocks, 2 * _PAIR_ROWS // 4, xs, t0, t1, acc, res, gate_n, r_n, up_n, r_n, n_n)
             for t in range(t1 - t0):
                 for i in range(n):
                     g = res[t, i]
@@ -609,9 +659,14 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
             _widen_row_into(down, sd, r0 + i, i % 4, blocks[i // 4])
         acc = np.empty((tile + 3, 4), dtype=np.float32)
         res = np.empty((tile, _ROW_BLOCK), dtype=np.float32)
+        nxt = min(w + 1, bases.shape[0] * per - 1)
+        _, _, _, _, down_n, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
+        r_n = (nxt % per) * _ROW_BLOCK
+        n_n = min(_ROW_BLOCK, hidden - r_n) if nxt != w else 0
         for t0 in range(starts[e], starts[e + 1], tile):
             t1 = min(starts[e + 1], t0 + tile)
-            _dot_groups(blocks, (n + 3) // 4, hs, t0, t1, acc, res)
+            half = (n_n + 1) // 2
+            _dot_groups(blocks, (n + 3) // 4, hs, t0, t1, acc, res, down_n, r_n, down_n, r_n + half, half)
             for t in range(t1 - t0):
                 row = out_rows[t0 + t]
                 for k in range(n):
