@@ -243,7 +243,7 @@ def _dot_rows4(block, xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done):
     sums depend only on their own values (with dot4x2: and the token's parity; t0 is even),
     never on T or on the other rows.
     After each pass of four tokens, `step` more lines (from line `done` on) of rows ra.. and
-    rb.. (pn rows each) of pa and pb are prefetched (`_prefetch_lines`; step 0: none);
+    rb.. (pn rows each) of pa and pb (rb < 0: of pa alone) are prefetched (`_prefetch_lines`; step 0: none);
     returns how many lines are then done."""
     acc[:] = 0.0
     last = t1 - 1
@@ -260,7 +260,8 @@ def _dot_rows4(block, xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done):
                     _dot4x2_into(wj, xj, t + 2, min(t + 3, last), acc, t + 2 - t0)
             if step:
                 _prefetch_lines(pa, ra, pn, done, step)
-                _prefetch_lines(pb, rb, pn, done, step)
+                if rb >= 0:  # (rb < 0: pa alone, e.g. bf16 rows without scales)
+                    _prefetch_lines(pb, rb, pn, done, step)
                 done += step
     return done
 
@@ -281,10 +282,10 @@ def _dot4x2_into(wj, xj, t, u, acc, at):
 
 
 @njit(**_OPTS)
-def _store_rows(block, xs, t0, t1, r0, n, acc, out, pa, pb, pr, pn, step, done):
+def _store_rows(block, xs, t0, t1, r0, n, acc, out, pa, ra, pb, rb, pn, step, done):
     """out[t, r0:r0+n] for tokens t0..t1-1: the four rows of `block` (rows past n are zeros)
     against those tokens (`_dot_rows4`, prefetching as it says); returns its line count."""
-    done = _dot_rows4(block, xs, t0, t1, acc, pa, pr, pb, pr, pn, step, done)
+    done = _dot_rows4(block, xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done)
     for t in range(t0, t1):
         for k in range(n):
             out[t, r0 + k] = acc[t - t0, k]
@@ -292,10 +293,10 @@ def _store_rows(block, xs, t0, t1, r0, n, acc, out, pa, pb, pr, pn, step, done):
 
 
 @njit(**_OPTS)
-def _store_block(blocks, r_start, n_rows, xs, out, pa, pb, pr, pn):
+def _store_block(blocks, r_start, n_rows, xs, out, pa, ra, pb, rb, pn):
     """out[:, r_start:r_start+n_rows] from the widened rows of one step (blocks [groups, chunks,
     4, width]), token tile by token tile, so that the tile and the rows stay in L2. During the
-    first tile, rows pr..pr+pn-1 of pa and pb (the next step's weights and scales) are
+    first tile, rows ra..ra+pn-1 of pa and rb..rb+pn-1 of pb (the next step's weights and scales) are
     prefetched, a few lines a pass, as `_dot_groups` does for the experts."""
     t_count, width = xs.shape[1], xs.shape[2]
     tile = _token_tile(xs.shape[0] * width)
@@ -309,7 +310,7 @@ def _store_block(blocks, r_start, n_rows, xs, out, pa, pb, pr, pn):
         t1 = min(t_count, t0 + tile)
         for g in range(groups):
             done = _store_rows(blocks[g], xs, t0, t1, r_start + 4 * g, min(4, n_rows - 4 * g), acc, out,
-                               pa, pb, pr, pn, step if t0 == 0 else 0, done)
+                               pa, ra, pb, rb, pn, step if t0 == 0 else 0, done)
 
 
 @njit(**_OPTS)
@@ -426,7 +427,7 @@ def matmat_bf16(w, x, out):
         for i in range(n_rows):
             _widen_bf16_into(w, r_start + i, i % 4, blocks[i // 4])
         nxt = r_start + _ROW_BLOCK  # this thread's next step, most likely
-        _store_block(blocks, r_start, n_rows, xs, out, w, w, nxt, max(0, min(_ROW_BLOCK, rows - nxt)))
+        _store_block(blocks, r_start, n_rows, xs, out, w, nxt, w, -1, max(0, min(_ROW_BLOCK, rows - nxt)))
 
 
 def _widen_quant(q, s, r, row):
@@ -463,7 +464,7 @@ def matmat_quant(q, s, x, out):
         for i in range(n_rows):
             _widen_quant_into(q, s, r_start + i, i % 4, blocks[i // 4])
         nxt = r_start + _ROW_BLOCK
-        _store_block(blocks, r_start, n_rows, xs, out, q, s, nxt, max(0, min(_ROW_BLOCK, rows - nxt)))
+        _store_block(blocks, r_start, n_rows, xs, out, q, nxt, s, nxt, max(0, min(_ROW_BLOCK, rows - nxt)))
 
 
 def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
