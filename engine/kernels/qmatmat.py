@@ -639,10 +639,12 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs):
             _widen_row_into(up, su, r0 + i, i % 4, blocks[_PAIR_ROWS // 4 + i // 4])
         acc = np.empty((tile + 3, 4), dtype=np.float32)
         res = np.empty((tile, 2 * _PAIR_ROWS), dtype=np.float32)
-        nxt = min(w + 1, bases.shape[0] * per - 1)  # the item this thread most likely takes next
+        # the item this thread most likely takes next; its rows are prefetched for bf16 and fp32
+        # only (int8/int4 experts read as fast from DRAM as from cache: tools/prompt_kernels.py)
+        nxt = min(w + 1, bases.shape[0] * per - 1)
         gate_n, _, up_n, _, _, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _PAIR_ROWS
-        n_n = min(_PAIR_ROWS, inter - r_n) if nxt != w else 0
+        n_n = min(_PAIR_ROWS, inter - r_n) if nxt != w and marker.itemsize > 1 else 0
         for t0 in range(starts[e], starts[e + 1], tile):
             t1 = min(starts[e + 1], t0 + tile)
             _dot_groups(blocks, 2 * _PAIR_ROWS // 4, xs, t0, t1, acc, res, gate_n, r_n, up_n, r_n, n_n)
@@ -674,7 +676,7 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
         nxt = min(w + 1, bases.shape[0] * per - 1)
         _, _, _, _, down_n, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _ROW_BLOCK
-        n_n = min(_ROW_BLOCK, hidden - r_n) if nxt != w else 0
+        n_n = min(_ROW_BLOCK, hidden - r_n) if nxt != w and marker.itemsize > 1 else 0
         for t0 in range(starts[e], starts[e + 1], tile):
             t1 = min(starts[e + 1], t0 + tile)
             half = (n_n + 1) // 2
