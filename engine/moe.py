@@ -20,7 +20,8 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
-from tierlab.engine.kernels.dense import PAIRWISE_BLOCK, add_weighted, axpy, linear, route_rows, softmax_row
+from tierlab.engine.kernels.dense import (PAIRWISE_BLOCK, add_weighted, add_weighted_rows, linear, route_rows,
+                                          softmax_row)
 
 
 class SwiGLU:
@@ -206,10 +207,9 @@ class MoEBlock:
 
             store.stream_batches(prompt, list(users), run, timers)
             t3 = time.perf_counter()
-            for t, route in enumerate(routes):
-                for s in range(route.chosen.shape[0]):
-                    if route.chosen[s] >= 0:
-                        axpy(out[t], np.float32(route.weights[s]), outputs[t, s])
+            chosen = np.stack([route.chosen for route in routes])
+            weights = np.stack([route.weights for route in routes]).astype(np.float32, copy=False)
+            add_weighted_rows(out, chosen, weights, outputs)
             timers["compute"] += time.perf_counter() - t3
         finally:
             store.end_prompt(prompt)

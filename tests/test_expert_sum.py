@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tierlab.engine.kernels.dense import add_weighted, axpy
+from tierlab.engine.kernels.dense import add_weighted, add_weighted_rows, axpy
 
 
 def test_add_weighted_is_axpy_per_filled_slot_in_rank_order():
@@ -20,3 +20,18 @@ def test_add_weighted_is_axpy_per_filled_slot_in_rank_order():
                 axpy(expected, np.float32(weights[s]), outputs[s])
         add_weighted(y, chosen, weights, outputs)
         assert np.array_equal(y, expected)
+
+
+def test_add_weighted_rows_is_add_weighted_per_token():
+    """A prompt's experts summed in one call per layer: each token's row the bits of its own call."""
+    rng = np.random.default_rng(5)
+    T, K, H = 6, 8, 130
+    outputs = (rng.standard_normal((T, K, H)) * rng.choice([1e-3, 1.0, 40.0], (T, K, 1))).astype(np.float32)
+    weights = rng.random((T, K)).astype(np.float32)
+    chosen = rng.integers(-1, 64, (T, K)).astype(np.int32)  # some slots left empty
+    y = rng.standard_normal((T, H)).astype(np.float32)
+    expected = y.copy()
+    for t in range(T):
+        add_weighted(expected[t], chosen[t], weights[t], outputs[t])
+    add_weighted_rows(y, chosen, weights, outputs)
+    assert np.array_equal(y, expected)

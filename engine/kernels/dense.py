@@ -388,3 +388,12 @@ def add_weighted(y, chosen, weights, outputs):
             w = np.float32(weights[s])
             for i in range(y.shape[0]):
                 y[i] += w * outputs[s, i]
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def add_weighted_rows(y, chosen, weights, outputs):
+    """`add_weighted` for every token of a prompt: y [T, H], chosen and weights [T, K],
+    outputs [T, K, H]. One call per layer instead of one `axpy` per (token, slot) from
+    Python (4096 calls per layer in a 512-token prompt); the same bits."""
+    for t in range(y.shape[0]):
+        add_weighted(y[t], chosen[t], weights[t], outputs[t])
