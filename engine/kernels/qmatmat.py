@@ -594,7 +594,7 @@ def _dot_groups(blocks, n_groups, xs, t0, t1, acc, res, pa, ra, pb, rb, pn):
     group by group (`_dot_rows4`). Meanwhile rows ra..ra+pn-1 of pa and rb..rb+pn-1 of pb,
     the next work item's, are prefetched a few lines a pass, so that their reads from DRAM
     overlap this item's arithmetic: without it a prompt's bf16 experts (rows of 4 KiB, each
-    a new page where the hardware prefetchers stop) ran 25-30% slower from DRAM than from
+    a new page where the hardware prefetchers stop) ran 25-35% slower from DRAM than from
     cache at 128 tokens (docs/benchmarks.md, "The next work item's rows")."""
     passes = n_groups * xs.shape[0] * ((t1 - t0 + 3) // 4)
     lines = (pn * pa.strides[0] + 63) // 64
