@@ -267,6 +267,16 @@ def _dot_rows4(block, xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done):
 
 
 @njit(**_OPTS)
+def _lines_per_pass(pa, pn, passes):
+    """Lines of pn rows of pa to prefetch after each of `passes` passes so that all are asked
+    for by the last one (0 when there is nothing to prefetch)."""
+    if pn <= 0:
+        return 0
+    lines = (pn * pa.strides[0] + 63) // 64
+    return (lines + passes - 1) // passes
+
+
+@njit(**_OPTS)
 def _dot4x2_into(wj, xj, t, u, acc, at):
     """acc[at, k] += row k . token t, and acc[at + 1, k] += row k . token u unless u == t."""
     a0, a1, a2, a3, b0, b1, b2, b3 = dot4x2(wj, xj[t], xj[u])
@@ -302,9 +312,7 @@ def _store_block(blocks, r_start, n_rows, xs, out, pa, ra, pb, rb, pn):
     tile = _token_tile(xs.shape[0] * width)
     acc = np.empty((tile + 3, 4), dtype=np.float32)
     groups = (n_rows + 3) // 4
-    passes = groups * xs.shape[0] * ((min(tile, t_count) + 3) // 4)
-    lines = (pn * pa.strides[0] + 63) // 64
-    step = (lines + passes - 1) // passes if pn > 0 else 0
+    step = _lines_per_pass(pa, pn, groups * xs.shape[0] * ((min(tile, t_count) + 3) // 4))
     done = 0
     for t0 in range(0, t_count, tile):
         t1 = min(t_count, t0 + tile)
@@ -596,9 +604,7 @@ def _dot_groups(blocks, n_groups, xs, t0, t1, acc, res, pa, ra, pb, rb, pn):
     overlap this item's arithmetic: without it a prompt's bf16 experts (rows of 4 KiB, each
     a new page where the hardware prefetchers stop) ran 25-35% slower from DRAM than from
     cache at 128 tokens (docs/benchmarks.md, "The next work item's rows")."""
-    passes = n_groups * xs.shape[0] * ((t1 - t0 + 3) // 4)
-    lines = (pn * pa.strides[0] + 63) // 64
-    step = (lines + passes - 1) // passes if pn > 0 else 0
+    step = _lines_per_pass(pa, pn, n_groups * xs.shape[0] * ((t1 - t0 + 3) // 4))
     done = 0
     for g in range(n_groups):
         done = _dot_rows4(blocks[g], xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done)
@@ -679,8 +685,7 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
         n_n = min(_ROW_BLOCK, hidden - r_n) if nxt != w and marker.itemsize > 1 else 0
         for t0 in range(starts[e], starts[e + 1], tile):
             t1 = min(starts[e + 1], t0 + tile)
-            half = (n_n + 1) // 2
-            _dot_groups(blocks, (n + 3) // 4, hs, t0, t1, acc, res, down_n, r_n, down_n, r_n + half, half)
+            _dot_groups(blocks, (n + 3) // 4, hs, t0, t1, acc, res, down_n, r_n, down_n, -1, n_n)
             for t in range(t1 - t0):
                 row = out_rows[t0 + t]
                 for k in range(n):
