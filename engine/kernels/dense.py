@@ -99,43 +99,53 @@ def rope_inplace(x, positions, inv_freq, rotary_dim):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
+def _attend(q, keys, values, length, scale, scores, out):
+    """One query head of one token over keys/values 0..length-1: out = softmax(scale q.k) . v,
+    each sum in position order."""
+    d = q.shape[0]
+    m = np.float32(-np.inf)
+    for j in range(length):
+        acc = np.float32(0.0)
+        for i in range(d):
+            acc += q[i] * keys[j, i]
+        acc *= scale
+        scores[j] = acc
+        if acc > m:
+            m = acc
+    total = np.float32(0.0)
+    for j in range(length):
+        e = np.float32(math.exp(scores[j] - m))
+        scores[j] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for i in range(d):
+        out[i] = 0.0
+    for j in range(length):
+        p = scores[j] * inv
+        for i in range(d):
+            out[i] += p * values[j, i]
+
+
+@njit(nogil=True, fastmath=True, cache=True, parallel=True)
 def attention(q, k_cache, v_cache, start, out):
     """Causal GQA attention for T new tokens at positions start..start+T-1.
 
     q: [T, Hq, d]; k_cache, v_cache: [Hkv, maxT, d] already holding the new
     tokens; out: [T, Hq, d]. Scores are scaled by 1/sqrt(d) and softmaxed in
-    float32.
+    float32. Each (head, token) is one task with its own sums (`_attend`), so a
+    prompt's token gets the bits it gets in decode; the tasks go head by head, so
+    that the threads' shares of a causal prompt are as long as each other.
     """
     t_count, n_heads, d = q.shape
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     scale = np.float32(1.0 / math.sqrt(d))
-    scores = np.empty(start + t_count, dtype=np.float32)
-    for t in range(t_count):
-        length = start + t + 1
-        for h in range(n_heads):
-            kvh = h // group
-            m = np.float32(-np.inf)
-            for j in range(length):
-                acc = np.float32(0.0)
-                for i in range(d):
-                    acc += q[t, h, i] * k_cache[kvh, j, i]
-                acc *= scale
-                scores[j] = acc
-                if acc > m:
-                    m = acc
-            total = np.float32(0.0)
-            for j in range(length):
-                e = np.float32(math.exp(scores[j] - m))
-                scores[j] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for i in range(d):
-                out[t, h, i] = 0.0
-            for j in range(length):
-                p = scores[j] * inv
-                for i in range(d):
-                    out[t, h, i] += p * v_cache[kvh, j, i]
+    for task in prange(n_heads * t_count):
+        h = task // t_count
+        t = task % t_count
+        kvh = h // group
+        scores = np.empty(start + t + 1, dtype=np.float32)
+        _attend(q[t, h], k_cache[kvh], v_cache[kvh], start + t + 1, scale, scores, out[t, h])
 
 
 @njit(nogil=True, fastmath=False, cache=True)
