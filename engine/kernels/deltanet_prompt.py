@@ -28,14 +28,20 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-from tierlab.engine.kernels.dense import deltanet_gates, deltanet_head, deltanet_token_inputs, gated_rmsnorm
+from tierlab.engine.kernels.dense import deltanet_gates, deltanet_head, deltanet_token_inputs
+from tierlab.engine.kernels.fastexp import silu_f32
+from tierlab.engine.kernels.qmatvec import _FAST, _I64, _V16F, _counted_loop, _load_vec, _splat
 
 STATE_COLUMNS = 32  # columns of a head's state per block: 32 x dk=128 floats = 16 KiB, in L1 with room
 _CONV_CHANNELS = 256  # channels per parallel step of the prompt's conv
 
 _OPTS = dict(nogil=True, fastmath=True, cache=True)
+# the fast path's kernels: no ZeroDivisionError branches, so that their loops vectorise (fastexp)
+_FAST_OPTS = dict(_OPTS, error_model="numpy")
 
 
 @njit(**dict(_OPTS, parallel=True))
@@ -56,7 +62,7 @@ def gated_deltanet_prompt_exact(mixed, conv_state, conv_w, z, b, a, a_log, dt_bi
                           state, 2 * key_dim + hv * dv, dv, out)
 
 
-@njit(**dict(_OPTS, parallel=True))
+@njit(**dict(_FAST_OPTS, parallel=True))
 def prompt_conv(mixed, conv_state, conv_w, conv_out):
     """conv_out [T, C] = SiLU(depthwise causal conv) of every token, conv_state moved on by T inputs."""
     t_count, channels = mixed.shape
@@ -80,12 +86,12 @@ def prompt_conv(mixed, conv_state, conv_w, conv_out):
                 for c in range(c1 - c0):
                     acc[c] += wj[c] * xj[c]
             for c in range(c1 - c0):
-                conv_out[t, c0 + c] = acc[c] / (np.float32(1.0) + np.float32(math.exp(-acc[c])))
+                conv_out[t, c0 + c] = silu_f32(acc[c])
         for j in range(hist):
             conv_state[j, c0:c1] = window[t_count + j]
 
 
-@njit(**dict(_OPTS, parallel=True))
+@njit(**dict(_FAST_OPTS, parallel=True))
 def prompt_qk(conv_out, k_heads, dk, q, k):
     """q, k [T, k_heads, dk]: L2-normalised per key head (q also scaled by 1/sqrt(dk))."""
     key_dim = k_heads * dk
@@ -155,7 +161,99 @@ def _run_columns(hv, hk, j0, j1, conv_out, q, k, gates, kq, vbase, state, o):
             state[hv, i, j0 + jj] = st[jj, i]
 
 
-@njit(**dict(_OPTS, parallel=True))
+def _f32_array(t, ndim) -> bool:
+    return isinstance(t, types.Array) and t.ndim == ndim and t.layout == "C" and t.dtype == types.float32
+
+
+@intrinsic
+def _columns_step(typingctx, st, delta, kt, kn, qn, decay, sums):
+    """One token through a block of STATE_COLUMNS state columns held row by row (st [dk, 32]:
+    st[i] is row i of the block, two 16-lane vectors): st = decay * st + k_t (x) delta, then
+    sums[0] = st^T k_next and sums[1] = st^T q_next, each column's sum in row order in its own
+    lane. Why: with the columns across the lanes, the update and both products are one pass
+    of FMAs over the block with no horizontal sums (a column per row pass, as `_run_columns`
+    does, ends every column's two products in two 16-lane reductions)."""
+    if not (_f32_array(st, 2) and _f32_array(delta, 1) and _f32_array(kt, 1) and _f32_array(kn, 1)
+            and _f32_array(qn, 1) and _f32_array(sums, 2) and isinstance(decay, types.Float)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        st_a, delta_a, kt_a, kn_a, qn_a = (context.make_array(signature.args[i])(context, builder, args[i])
+                                           for i in range(5))
+        sums_a = context.make_array(signature.args[6])(context, builder, args[6])
+        dec = _splat(builder, context.cast(builder, args[5], signature.args[5], types.float32), _V16F)
+        d = [_load_vec(builder, delta_a.data, ir.Constant(_I64, 16 * v), _V16F, 4) for v in range(2)]
+        zero = ir.Constant(_V16F, [0.0] * 16)
+
+        def scalar(arr, i):
+            return builder.load(builder.gep(arr.data, [i]))
+
+        def body(i, accs):
+            row = builder.mul(i, ir.Constant(_I64, 32))
+            ki, kni, qni = (_splat(builder, scalar(a, i), _V16F) for a in (kt_a, kn_a, qn_a))
+            out = []
+            for v in range(2):
+                at = builder.add(row, ir.Constant(_I64, 16 * v))
+                ptr = builder.bitcast(builder.gep(st_a.data, [at]), _V16F.as_pointer())
+                s = builder.fadd(builder.fmul(dec, builder.load(ptr, align=4), flags=_FAST),
+                                 builder.fmul(d[v], ki, flags=_FAST), flags=_FAST)
+                builder.store(s, ptr, align=4)
+                out.append(builder.fadd(accs[2 * v], builder.fmul(s, kni, flags=_FAST), flags=_FAST))
+                out.append(builder.fadd(accs[2 * v + 1], builder.fmul(s, qni, flags=_FAST), flags=_FAST))
+            return out
+
+        dk = builder.extract_value(st_a.shape, 0)
+        accs = _counted_loop(builder, dk, [zero] * 4, body)
+        for v in range(2):
+            for which in range(2):
+                at = ir.Constant(_I64, 32 * which + 16 * v)
+                builder.store(accs[2 * v + which], builder.bitcast(builder.gep(sums_a.data, [at]), _V16F.as_pointer()),
+                              align=4)
+        return context.get_dummy_value()
+
+    return types.none(st, delta, kt, kn, qn, decay, sums), codegen
+
+
+@njit(**_OPTS)
+def _run_column_vectors(hv, hk, j0, conv_out, q, k, gates, kq, vbase, state, o):
+    """`_run_columns` for a whole block of STATE_COLUMNS columns, one token a `_columns_step`."""
+    t_count = q.shape[0]
+    dk = q.shape[2]
+    st = np.empty((dk, STATE_COLUMNS), dtype=np.float32)
+    for i in range(dk):
+        for jj in range(STATE_COLUMNS):
+            st[i, jj] = state[hv, i, j0 + jj]
+    delta = np.zeros(STATE_COLUMNS, dtype=np.float32)
+    sums = np.empty((2, STATE_COLUMNS), dtype=np.float32)
+    _columns_step(st, delta, k[0, hk], k[0, hk], q[0, hk], np.float32(1.0), sums)  # S^T k_0, S^T q_0
+    for t in range(t_count):
+        beta = gates[t, hv, 0]
+        decay = gates[t, hv, 1]
+        kqt = kq[t, hk]
+        nxt = min(t + 1, t_count - 1)
+        for jj in range(STATE_COLUMNS):
+            dl = beta * (conv_out[t, vbase + j0 + jj] - decay * sums[0, jj])
+            delta[jj] = dl
+            o[t, j0 + jj] = decay * sums[1, jj] + dl * kqt
+        _columns_step(st, delta, k[t, hk], k[nxt, hk], q[nxt, hk], decay, sums)
+    for i in range(dk):
+        for jj in range(STATE_COLUMNS):
+            state[hv, i, j0 + jj] = st[i, jj]
+
+
+@njit(**_FAST_OPTS)
+def _gated_rmsnorm_rows(o, z, norm_w, eps, t, base, out):
+    """`dense.gated_rmsnorm` with `fastexp.silu_f32` (a vectorised loop) for the fast path."""
+    dv = o.shape[0]
+    ss = np.float32(0.0)
+    for j in range(dv):
+        ss += o[j] * o[j]
+    inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
+    for j in range(dv):
+        out[t, base + j] = norm_w[j] * (o[j] * inv) * silu_f32(z[t, base + j])
+
+
+@njit(**dict(_FAST_OPTS, parallel=True))
 def gated_deltanet_prompt(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, eps,
                           state, k_heads, v_heads, dk, dv, out):
     """`dense.gated_deltanet` for T tokens (same arguments, results within float32 rounding),
@@ -185,8 +283,10 @@ def gated_deltanet_prompt(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, no
     for task in prange(v_heads * blocks):
         hv = task // blocks
         j0 = (task % blocks) * STATE_COLUMNS
-        _run_columns(hv, hv // ratio, j0, min(dv, j0 + STATE_COLUMNS), conv_out, q, k, gates, kq,
-                     2 * key_dim + hv * dv, state, o[hv])
+        if j0 + STATE_COLUMNS <= dv:
+            _run_column_vectors(hv, hv // ratio, j0, conv_out, q, k, gates, kq, 2 * key_dim + hv * dv, state, o[hv])
+        else:
+            _run_columns(hv, hv // ratio, j0, dv, conv_out, q, k, gates, kq, 2 * key_dim + hv * dv, state, o[hv])
     for t in prange(t_count):
         for hv in range(v_heads):
-            gated_rmsnorm(o[hv, t], z, norm_w, eps, t, hv * dv, out)
+            _gated_rmsnorm_rows(o[hv, t], z, norm_w, eps, t, hv * dv, out)

@@ -26,6 +26,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 
 from tierlab.engine.blob_layout import GROUP, blob_nbytes
+from tierlab.engine.kernels.fastexp import silu_f32
 from tierlab.engine.kernels.qmatvec import (_FAST, _I32, _I64, _V16F, _WIDE, _counted_loop, _load_vec, _prefetch,
                                             bf16_f32, expert_views, quant_matrices, raw_matrices, wide_vectors)
 
@@ -623,7 +624,7 @@ def gather_chunked(x, rows, width, xs):
                 xs[j, i, c] = x[r, j * width + c]
 
 
-@njit(**dict(_OPTS, parallel=True))
+@njit(**dict(_OPTS, parallel=True, error_model="numpy"))
 def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs):
     """hs[j, t, c] = silu(gate x_t) * (up x_t) at row j * width + c of expert e's inter rows,
     for the tokens starts[e] <= t < starts[e + 1] of xs [chunks, N, hidden's width] and the
@@ -656,9 +657,8 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs):
             _dot_groups(blocks, 2 * _PAIR_ROWS // 4, xs, t0, t1, acc, res, gate_n, r_n, up_n, r_n, n_n)
             for t in range(t1 - t0):
                 for i in range(n):
-                    g = res[t, i]
                     r = r0 + i
-                    hs[r // h_width, t0 + t, r % h_width] = g / (np.float32(1.0) + np.exp(-g)) * res[t, _PAIR_ROWS + i]
+                    hs[r // h_width, t0 + t, r % h_width] = silu_f32(res[t, i]) * res[t, _PAIR_ROWS + i]
 
 
 @njit(**dict(_OPTS, parallel=True))
