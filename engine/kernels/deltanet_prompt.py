@@ -12,8 +12,13 @@ head's k, q, beta and decay. So a head's state is cut into blocks of
 `STATE_COLUMNS` columns (16 KiB, held transposed so that each column is one
 contiguous row), and each block runs through all the prompt's tokens on one
 thread with its state in L1; the update of S for token t and the products
-S^T k and S^T q that token t + 1 needs are one pass over the block. The conv,
-the L2 norms and the gated RMSNorm run over all tokens at once, in parallel.
+S^T k and S^T q that token t + 1 needs are one pass over the block. A whole
+block is held row by row with its 32 columns across the lanes of two vectors
+(`_columns_step`), so that pass is FMAs only, each column's sums in its own
+lane (the scalar `_run_columns`, a column per row, takes a block narrower than
+32, e.g. the last of a head whose width 32 does not divide). The conv, the L2
+norms and the gated RMSNorm run over all tokens at once, in parallel, their
+SiLU through `fastexp` so that the loops vectorise.
 Same arithmetic as the recurrence, summed in another order: within float32
 rounding of the exact kernel, not bit-identical to decode.
 
