@@ -17,8 +17,10 @@ thread's CPU time); `matmat KIND ROWSxCOLS T=n` (median of timed calls over copi
 matrix that do not fit in the last-level cache, GMAC/s); `experts KIND
 gate_up|down` (64 experts, 128 tokens routed top-8 at random, GMAC/s of the
 launch; with --from-cache also with all 64 on one cache-resident blob); `attention
-T=n` (a causal prompt of n tokens, ms) and `attention decode at N` (one token over N
-cached positions, us). Threads: numba's (NUMBA_NUM_THREADS).
+T=n` (a causal prompt of n tokens, ms), `attention decode at N` (one token over N
+cached positions, us) and `deltanet T=n` (`deltanet_prompt.gated_deltanet_prompt`, the
+prompt's Gated DeltaNet between its projections: 16 key / 32 value heads of 128, ms).
+`--parts` picks the lines (default all). Threads: numba's (NUMBA_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from tierlab.engine import hugepages
 from tierlab.engine.blob_layout import blob_nbytes
 from tierlab.engine.kernels import qmatmat
 from tierlab.engine.kernels.dense import attention
+from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 64, 8
 Q_HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
+K_HEADS, V_HEADS, K_DIM, V_DIM, CONV = 16, 32, 128, 128, 4
 
 
 def median_s(call, n: int) -> float:
@@ -135,22 +139,54 @@ def attention_lines(lengths: list[int], decode_at: int, rng) -> list[str]:
     return lines
 
 
+def deltanet_lines(lengths: list[int], rng) -> list[str]:
+    lines = []
+    channels = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM
+    conv_w = (0.3 * rng.standard_normal((channels, CONV))).astype(np.float32)
+    a_log = rng.standard_normal(V_HEADS).astype(np.float32)
+    dt_bias = rng.standard_normal(V_HEADS).astype(np.float32)
+    norm_w = np.ones(V_DIM, np.float32)
+    for n in lengths:
+        mixed = rng.standard_normal((n, channels), dtype=np.float32)
+        z = rng.standard_normal((n, V_HEADS * V_DIM), dtype=np.float32)
+        b, a = (rng.standard_normal((n, V_HEADS), dtype=np.float32) for _ in range(2))
+        out = np.empty((n, V_HEADS * V_DIM), np.float32)
+
+        def call():
+            conv = np.zeros((CONV - 1, channels), np.float32)
+            state = np.zeros((V_HEADS, K_DIM, V_DIM), np.float32)
+            gated_deltanet_prompt(mixed, conv, conv_w, z, b, a, a_log, dt_bias, norm_w, np.float32(1e-6), state,
+                                  K_HEADS, V_HEADS, K_DIM, V_DIM, out)
+
+        lines.append(f"deltanet T={n}: {1e3 * median_s(call, 5):.1f} ms")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kinds", default="int4,int8,bf16", help="comma-separated: int4,int8,bf16")
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens routed in the experts' launches")
-    p.add_argument("--attention", default="128,512", help="prompt lengths for attention, comma-separated")
+    p.add_argument("--attention", default="128,512", help="prompt lengths for attention and deltanet, comma-separated")
     p.add_argument("--decode-at", type=int, default=300)
     p.add_argument("--from-cache", action="store_true",
                    help="also the experts' launches with all 64 experts on one blob (cache-resident): "
                         "the gap to the default lines is what reading the experts from DRAM costs")
+    p.add_argument("--parts", default="pass,matmat,experts,attention,deltanet",
+                   help="which lines, comma-separated: pass,matmat,experts,attention,deltanet")
     a = p.parse_args()
     rng = np.random.default_rng(0)
     kinds = a.kinds.split(",")
-    hot = experts_lines(kinds, a.prompt_tokens, rng, from_cache=True) if a.from_cache else []
-    for line in ([pass_line(rng)] + matmat_lines(kinds, rng) + experts_lines(kinds, a.prompt_tokens, rng) + hot
-                 + attention_lines([int(n) for n in a.attention.split(",")], a.decode_at, rng)):
-        print(line, flush=True)
+    parts = set(a.parts.split(","))
+    lengths = [int(n) for n in a.attention.split(",")]
+    makers = [("pass", lambda: [pass_line(rng)]), ("matmat", lambda: matmat_lines(kinds, rng)),
+              ("experts", lambda: experts_lines(kinds, a.prompt_tokens, rng)
+               + (experts_lines(kinds, a.prompt_tokens, rng, from_cache=True) if a.from_cache else [])),
+              ("attention", lambda: attention_lines(lengths, a.decode_at, rng)),
+              ("deltanet", lambda: deltanet_lines(lengths, rng))]
+    for name, make in makers:
+        if name in parts:
+            for line in make():
+                print(line, flush=True)
 
 
 if __name__ == "__main__":
