@@ -13,10 +13,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
+from tierlab.engine.kernels.fastexp import FAST_EXACT
 from tierlab.engine.kernels.qmatmat import matmat_bf16
-from tierlab.engine.kernels.qmatvec import matvec_bf16, matvec_fp32
+from tierlab.engine.kernels.qmatvec import _I32, _I64, _V16F, _counted_loop, _load_vec, matvec_bf16, matvec_fp32
 from tierlab.engine.qlinear import QuantMatrix, RowStack, qlinear
 
 def matvec(w, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -98,16 +101,59 @@ def rope_inplace(x, positions, inv_freq, rotary_dim):
                 x[t, h, i + half] = b * c + a * s
 
 
-@njit(nogil=True, fastmath=True, cache=True)
+@intrinsic
+def _dot_fixed(typingctx, a, b):
+    """sum a[i] * b[i] for float32 vectors whose length is a multiple of 16, in one fixed order:
+    16 lanes of products summed down the vector, then the lanes by halves (8+8, 4+4, 2+2, 1+1).
+    Plain IEEE operations, no fast-math flags: LLVM may not reorder them, so the sum has the
+    same bits however the caller is inlined, vectorised or loaded from numba's cache."""
+    ok = all(isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.float32
+             for t in (a, b))
+    if not ok:
+        return None
+
+    def codegen(context, builder, signature, args):
+        a_arr, b_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(2))
+        steps = builder.sdiv(builder.extract_value(a_arr.shape, 0), ir.Constant(_I64, 16))
+
+        def body(i, carried):
+            at = builder.mul(i, ir.Constant(_I64, 16))
+            prod = builder.fmul(_load_vec(builder, a_arr.data, at, _V16F, 4), _load_vec(builder, b_arr.data, at, _V16F, 4))
+            return [builder.fadd(carried[0], prod)]
+
+        (acc,) = _counted_loop(builder, steps, [ir.Constant(_V16F, [0.0] * 16)], body)
+        width = 16
+        while width > 1:
+            half = width // 2
+            undef = ir.Constant(acc.type, ir.Undefined)
+            lo = builder.shuffle_vector(acc, undef, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+            hi = builder.shuffle_vector(acc, undef, ir.Constant(ir.VectorType(_I32, half), list(range(half, width))))
+            acc = builder.fadd(lo, hi)
+            width = half
+        return builder.extract_element(acc, ir.Constant(_I32, 0))
+
+    return types.float32(a, b), codegen
+
+
+@njit(nogil=True, fastmath=False, cache=True)
+def _dot_in_order(a, b):
+    acc = np.float32(0.0)
+    for i in range(a.shape[0]):
+        acc += a[i] * b[i]
+    return acc
+
+
+@njit(nogil=True, fastmath=FAST_EXACT, cache=True, error_model="numpy")
 def _attend(q, keys, values, length, scale, scores, out):
-    """One query head of one token over keys/values 0..length-1: out = softmax(scale q.k) . v,
-    each sum in position order."""
+    """One query head of one token over keys/values 0..length-1: out = softmax(scale q.k) . v.
+    Every sum in a fixed order (`_dot_fixed`, no reassociation), so that a pair's result is the
+    same bits in a prompt and in decode, and in a process that compiled this kernel and one
+    that loaded it from numba's cache (the order LLVM picks for a fast-math reduction can
+    depend on where the function is inlined)."""
     d = q.shape[0]
     m = np.float32(-np.inf)
     for j in range(length):
-        acc = np.float32(0.0)
-        for i in range(d):
-            acc += q[i] * keys[j, i]
+        acc = _dot_fixed(q, keys[j]) if d % 16 == 0 else _dot_in_order(q, keys[j])
         acc *= scale
         scores[j] = acc
         if acc > m:
