@@ -38,6 +38,7 @@ from tierlab.engine.model_files import open_model_files
 from tierlab.engine.models import ARCHITECTURES
 from tierlab.engine.moe import DenseBlock, MoEBlock
 from tierlab.engine.prefetch import Pilot, RouterHead
+from tierlab.engine.prompt_heap import prompt_heap
 from tierlab.engine.qlinear import QuantMatrix, RowStack
 from tierlab.engine.sampling import Sampler
 from tierlab.engine.tiering import TierOptions
@@ -284,7 +285,10 @@ class Engine:
             raise ModelError(f"the sequence would reach {self.pos + ids.size} tokens, more than the model's "
                              f"context ({context} tokens, max_position_embeddings)")
         with self._lock:
-            return self._forward(ids, all_logits, phase or ("prefill" if ids.size > 1 else "decode"))
+            if ids.size == 1:
+                return self._forward(ids, all_logits, phase or "decode")
+            with prompt_heap():  # a prompt's large temporaries reuse the previous layer's pages
+                return self._forward(ids, all_logits, phase or "prefill")
 
     def _forward(self, ids: np.ndarray, all_logits: bool, phase: str) -> np.ndarray:
         cfg = self.config
