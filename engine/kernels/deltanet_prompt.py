@@ -39,7 +39,8 @@ from numba.extending import intrinsic
 
 from tierlab.engine.kernels.dense import deltanet_gates, deltanet_head, deltanet_token_inputs
 from tierlab.engine.kernels.fastexp import silu_f32
-from tierlab.engine.kernels.qmatvec import _FAST, _I64, _V16F, _counted_loop, _load_vec, _splat
+from tierlab.engine.kernels.qmatmat import _f32_matrix
+from tierlab.engine.kernels.qmatvec import _FAST, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, _splat
 
 STATE_COLUMNS = 32  # columns of a head's state per block: 32 x dk=128 floats = 16 KiB, in L1 with room
 _CONV_CHANNELS = 256  # channels per parallel step of the prompt's conv
@@ -166,10 +167,6 @@ def _run_columns(hv, hk, j0, j1, conv_out, q, k, gates, kq, vbase, state, o):
             state[hv, i, j0 + jj] = st[jj, i]
 
 
-def _f32_array(t, ndim) -> bool:
-    return isinstance(t, types.Array) and t.ndim == ndim and t.layout == "C" and t.dtype == types.float32
-
-
 @intrinsic
 def _columns_step(typingctx, st, delta, kt, kn, qn, decay, sums):
     """One token through a block of STATE_COLUMNS state columns held row by row (st [dk, 32]:
@@ -178,8 +175,8 @@ def _columns_step(typingctx, st, delta, kt, kn, qn, decay, sums):
     lane. Why: with the columns across the lanes, the update and both products are one pass
     of FMAs over the block with no horizontal sums (a column per row pass, as `_run_columns`
     does, ends every column's two products in two 16-lane reductions)."""
-    if not (_f32_array(st, 2) and _f32_array(delta, 1) and _f32_array(kt, 1) and _f32_array(kn, 1)
-            and _f32_array(qn, 1) and _f32_array(sums, 2) and isinstance(decay, types.Float)):
+    if not (_f32_matrix(st) and _f32_matrix(sums) and isinstance(decay, types.Float)
+            and all(_row_view_ok(v, types.float32) for v in (delta, kt, kn, qn))):
         return None
 
     def codegen(context, builder, signature, args):

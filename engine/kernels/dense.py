@@ -19,7 +19,8 @@ from numba.extending import intrinsic
 
 from tierlab.engine.kernels.fastexp import FAST_EXACT
 from tierlab.engine.kernels.qmatmat import matmat_bf16
-from tierlab.engine.kernels.qmatvec import _I32, _I64, _V16F, _counted_loop, _load_vec, matvec_bf16, matvec_fp32
+from tierlab.engine.kernels.qmatvec import (_I32, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, matvec_bf16,
+                                            matvec_fp32)
 from tierlab.engine.qlinear import QuantMatrix, RowStack, qlinear
 
 def matvec(w, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -107,9 +108,7 @@ def _dot_fixed(typingctx, a, b):
     16 lanes of products summed down the vector, then the lanes by halves (8+8, 4+4, 2+2, 1+1).
     Plain IEEE operations, no fast-math flags: LLVM may not reorder them, so the sum has the
     same bits however the caller is inlined, vectorised or loaded from numba's cache."""
-    ok = all(isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == types.float32
-             for t in (a, b))
-    if not ok:
+    if not (_row_view_ok(a, types.float32) and _row_view_ok(b, types.float32)):
         return None
 
     def codegen(context, builder, signature, args):
