@@ -30,6 +30,15 @@ wait_for() {  # wait_for PATTERN SECONDS: until the screen matches the extended 
     exit 1
 }
 
+seen_within() {  # seen_within PATTERN SECONDS: 0 if the screen matches in time, 1 if not
+    local pattern=$1 deadline=$((SECONDS + $2))
+    while ((SECONDS < deadline)); do
+        if screen | grep -Eq -- "$pattern"; then return 0; fi
+        sleep 0.2
+    done
+    return 1
+}
+
 wait_gone() {  # wait_gone PATTERN SECONDS: until the screen no longer matches
     local pattern=$1 deadline=$((SECONDS + $2))
     while ((SECONDS < deadline)); do
@@ -51,9 +60,15 @@ wait_for "· [1-9][0-9]* tok" 60                        # tokens went through th
 wait_gone "generating" 120                             # the reply finished
 wait_for "RAM hit +[0-9.]+%" 5                          # meters filled in
 
-tmux send-keys -t "$SESSION" F8                        # focus the knobs: CACHE_ROUTE first
-tmux send-keys -t "$SESSION" Space
-wait_for "CACHE_ROUTE +on" 10
+# Focus the knobs (F8: CACHE_ROUTE first) and toggle it. Under a loaded machine a
+# keypress can arrive while the app is still busy; the screen decides whether to
+# press again, so a late keypress is never doubled.
+for attempt in 1 2 3; do
+    tmux send-keys -t "$SESSION" F8
+    tmux send-keys -t "$SESSION" Space
+    if seen_within "CACHE_ROUTE +on" 10; then break; fi
+done
+wait_for "CACHE_ROUTE +on" 5
 tmux send-keys -t "$SESSION" Tab Tab Tab               # ROUTE_AGREE, ROUTE_MODE, ROUTE_J
 tmux send-keys -t "$SESSION" Left
 wait_for "ROUTE_J +[━─●┊]+ +1 " 10
