@@ -528,6 +528,9 @@ class ExpertStore:
             if self._layers[layer] is not st:
                 raise RuntimeError("the RAM cache was resized during a prompt")
             where = self._where(layer, stock, None) if stock_outside(stock, experts) else {}
+            if self._claim_resident(layer, st, experts):  # a warm cache's usual token, in one step
+                hits = [True] * len(experts)
+                return hits, (None if stock is None else count_shadow(stock, where, dict.fromkeys(experts, 1)))
             taken: list = [None] * len(experts)
             if 1 < len(experts) <= self._slots and len(set(experts)) == len(experts):
                 # `acquire`'s order: the token's resident experts first, then its misses in rank order
@@ -544,6 +547,30 @@ class ExpertStore:
         if stock is None:
             return hits, None
         return hits, count_shadow(stock, where, {e: int(h) for e, h in zip(experts, hits)})
+
+    def _claim_resident(self, layer: int, st: dict, experts: list[int]) -> bool:
+        """Under the lock: when each expert (none twice) is in a slot that is not loading, what
+        `_take` then `_mark_read` do for each in turn, done at once: the slots made recent in
+        the token's order, all counted hits, PILOT's ledger told; else nothing, and False.
+        Why: a prompt claims every token's experts, and on a warm cache nearly all of them hit;
+        one token's claims one by one cost ~50 us of Python (a fifth of a 128-token prompt's
+        routing and claims)."""
+        k = len(experts)
+        if k == 0 or len(set(experts)) != k:
+            return False
+        slot_of, loading = st["slot_of"], st["loading"]
+        slots = [int(slot_of[e]) for e in experts]
+        if min(slots) < 0 or any(loading[s] for s in slots):
+            return False
+        last, pf_pass, clock = st["last"], st["pf_pass"], self._clock
+        for s in slots:
+            clock += 1
+            last[s] = clock
+            if pf_pass[s] >= 0:
+                self._ledger_hit(layer, st, s)
+        self._clock = clock
+        self._hits[layer] += k
+        return True
 
     def _mark_read(self, st: dict, layer: int, expert: int, s: int, must_load: bool) -> None:
         """Under the lock: a claim of `claim_prompt_token` released, its read taken as done."""

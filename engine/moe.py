@@ -196,7 +196,8 @@ class MoEBlock:
                 timers["fetch"] += time.perf_counter() - t2
                 routes.append(route)
                 ctx.after_route(layer, route, logits_all[t])
-            outputs = np.zeros((T, K, x.shape[1]), dtype=np.float32)
+            # every (token, slot) with an expert is written by its batch; the rest is never read
+            outputs = np.empty((T, K, x.shape[1]), dtype=np.float32)
             rows = outputs.reshape(T * K, x.shape[1])
             exact = ctx.knobs.PREFILL_EXACT
             xc = np.ascontiguousarray(x, dtype=np.float32)
