@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 from tierlab.engine import quant as Q
+import numba
+
+from tierlab.engine.kernels import qmatmat
 from tierlab.engine.kernels.qmatmat import _TOKENS_PER_PASS, expert_matmat, experts_matmat, matmat
 from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD, expert_forward_tokens
 
@@ -185,6 +188,63 @@ def test_an_experts_rows_do_not_depend_on_its_batch(kind):
                    [dest[e] for e in order])
     for e in range(3):
         np.testing.assert_array_equal(out[dest[e]], alone[e])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 7])
+def test_dealt_items_cover_every_item_once_and_split_round_robin(threads):
+    """The experts' launches deal their work items round-robin: over the padded steps each
+    item comes exactly once, and each thread's contiguous share of steps holds every
+    `threads`-th item (so about its share of each expert)."""
+    for n_items in (1, 2, 5, 7, 64, 129, 4096):
+        steps = qmatmat._dealt_steps(n_items, threads)
+        share = steps // threads
+        dealt = [qmatmat._dealt(i, n_items, threads) for i in range(steps)]
+        assert sorted(w for w in dealt if w < n_items) == list(range(n_items))
+        assert all(w % threads == i // share for i, w in enumerate(dealt))
+        nxt = [qmatmat._dealt_next(i, dealt[i], n_items, threads) for i in range(steps) if dealt[i] < n_items]
+        assert all(0 <= w < n_items for w in nxt)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int4"])
+def test_experts_outputs_do_not_depend_on_the_threads_or_how_items_are_dealt(kind):
+    """The same bits with one thread and with two, and dealt for 1-5 threads: a work item
+    writes only its own outputs, in a fixed order."""
+    hidden, inter = 128, 64
+    rng = np.random.default_rng(9)
+    blobs = [_blob(kind, hidden, inter, rng) for _ in range(5)]
+    x = rng.standard_normal((11, hidden)).astype(np.float32)
+    token_rows = [[0, 3, 5], [7, 8, 9, 10, 1], list(range(11)), [2, 8, 1, 4, 6, 5], [9, 10, 0, 1, 2]]
+    n = sum(map(len, token_rows))
+    out_rows, at = [], 0
+    for rows in token_rows:
+        out_rows.append(list(range(at, at + len(rows))))
+        at += len(rows)
+    results = []
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            out = np.full((n, hidden), np.nan, dtype=np.float32)
+            experts_matmat(kind, blobs, hidden, inter, x, token_rows, out, out_rows)
+            results.append(out)
+    finally:
+        numba.set_num_threads(before)
+    nbytes = qmatmat.blob_nbytes(kind, hidden, inter)
+    bases = np.array([b.ctypes.data for b in blobs], np.intp)
+    starts = np.cumsum([0] + [len(r) for r in token_rows]).astype(np.int64)
+    rows = np.array([r for rs in token_rows for r in rs], np.int64)
+    width, h_width = qmatmat._chunk_width(hidden), qmatmat._chunk_width(inter)
+    xs = np.empty((hidden // width, n, width), np.float32)
+    qmatmat.gather_chunked(x, rows, width, xs)
+    for deal in range(1, 6):
+        hs = np.empty((inter // h_width, n, h_width), np.float32)
+        out = np.full((n, hidden), np.nan, dtype=np.float32)
+        qmatmat.experts_gate_up(qmatmat._MARKERS[kind], bases, nbytes, hidden, inter, xs, starts, hs, deal)
+        qmatmat.experts_down(qmatmat._MARKERS[kind], bases, nbytes, hidden, inter, hs, starts, out,
+                             np.arange(n, dtype=np.int64), deal)
+        results.append(out)
+    for out in results[1:]:
+        np.testing.assert_array_equal(out, results[0])
 
 
 def test_experts_matmat_refuses_a_short_blob_and_rows_out_of_range():

@@ -15,8 +15,9 @@ Lines: `pass` (one core, cache-hot: `qmatmat._dot_rows4`, four widened rows of 5
 columns against 16 tokens, the inner step of every matmat; GMAC/s of the calling
 thread's CPU time); `matmat KIND ROWSxCOLS T=n` (median of timed calls over copies of the
 matrix that do not fit in the last-level cache, GMAC/s); `experts KIND
-gate_up|down` (64 experts, 128 tokens routed top-8 at random, GMAC/s of the
-launch; with --from-cache also with all 64 on one cache-resident blob); `attention
+gate_up|down` (64 experts, 128 tokens routed top-8 at random, or unevenly with
+`--skew`; GMAC/s of the launch, work items dealt round-robin to the threads or, `--deals
+halves`, each thread a contiguous half; with --from-cache also with all 64 on one cache-resident blob); `attention
 T=n` (a causal prompt of n tokens, ms), `attention decode at N` (one token over N
 cached positions, us) and `deltanet T=n` (`deltanet_prompt.gated_deltanet_prompt`, the
 prompt's Gated DeltaNet between its projections: 16 key / 32 value heads of 128, ms).
@@ -29,6 +30,7 @@ import argparse
 import time
 
 import numpy as np
+import numba
 from numba import njit
 
 from tierlab.app.lab import bench_kernels as B
@@ -91,14 +93,23 @@ def matmat_lines(kinds: list[str], rng) -> list[str]:
     return lines
 
 
-def experts_lines(kinds: list[str], tokens: int, rng, from_cache: bool = False) -> list[str]:
+def routed(tokens: int, skew: float, rng) -> np.ndarray:
+    """Each token's top-8 experts [tokens, 8]: at random (skew 0), or with expert e's
+    logit raised by skew * log(1 / (e + 1)), so a few experts take many tokens and the
+    rest few, as a trained router's layers do."""
+    logits = rng.gumbel(size=(tokens, EXPERTS)) - skew * np.log1p(np.arange(EXPERTS))
+    return np.argsort(-logits, axis=1)[:, :TOP_K]
+
+
+def experts_lines(kinds: list[str], tokens: int, rng, from_cache: bool = False, skew: float = 0.0,
+                  deals: tuple[str, ...] = ("dealt",)) -> list[str]:
     lines = []
     for kind in kinds:
         nbytes = blob_nbytes(kind, HIDDEN, INTER)
         arena = hugepages.empty((EXPERTS, nbytes), np.uint8)
         for e in range(EXPERTS):
             arena[e] = B._fused_blob(kind, HIDDEN, INTER, rng)
-        chosen = np.argsort(rng.random((tokens, EXPERTS)), axis=1)[:, :TOP_K]
+        chosen = routed(tokens, skew, rng)
         users = [np.nonzero((chosen == e).any(axis=1))[0] for e in range(EXPERTS)]
         starts = np.zeros(EXPERTS + 1, np.int64)
         np.cumsum([len(u) for u in users], out=starts[1:])
@@ -113,52 +124,19 @@ def experts_lines(kinds: list[str], tokens: int, rng, from_cache: bool = False) 
         hs = np.empty((INTER // h_width, rows.size, h_width), np.float32)
         out = np.empty((rows.size, HIDDEN), np.float32)
         marker = qmatmat._MARKERS[kind]
-        gate_up = median_s(lambda: qmatmat.experts_gate_up(marker, bases, nbytes, HIDDEN, INTER, xs, starts, hs), 8)
-        down = median_s(lambda: qmatmat.experts_down(marker, bases, nbytes, HIDDEN, INTER, hs, starts, out, dest), 8)
         macs = rows.size * HIDDEN * INTER
         where = " (one blob, from cache)" if from_cache else ""
-        lines.append(f"experts {kind} gate_up{where}: {2 * macs / gate_up / 1e9:.1f} GMAC/s ({1e3 * gate_up:.1f} ms)")
-        lines.append(f"experts {kind} down{where}: {macs / down / 1e9:.1f} GMAC/s ({1e3 * down:.1f} ms)")
-    return lines
-
-
-def attention_lines(lengths: list[int], decode_at: int, rng) -> list[str]:
-    lines = []
-    cap = max(lengths + [decode_at + 1])
-    k = rng.standard_normal((KV_HEADS, cap, HEAD_DIM), dtype=np.float32)
-    v = rng.standard_normal((KV_HEADS, cap, HEAD_DIM), dtype=np.float32)
-    for n in lengths:
-        q = rng.standard_normal((n, Q_HEADS, HEAD_DIM), dtype=np.float32)
-        out = np.empty_like(q)
-        t = median_s(lambda: attention(q, k, v, 0, out), 5)
-        lines.append(f"attention T={n}: {1e3 * t:.1f} ms")
-    q = rng.standard_normal((1, Q_HEADS, HEAD_DIM), dtype=np.float32)
-    out = np.empty_like(q)
-    t = median_s(lambda: attention(q, k, v, decode_at, out), 200)
-    lines.append(f"attention decode at {decode_at}: {1e6 * t:.1f} us")
-    return lines
-
-
-def deltanet_lines(lengths: list[int], rng) -> list[str]:
-    lines = []
-    channels = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM
-    conv_w = (0.3 * rng.standard_normal((channels, CONV))).astype(np.float32)
-    a_log = rng.standard_normal(V_HEADS).astype(np.float32)
-    dt_bias = rng.standard_normal(V_HEADS).astype(np.float32)
-    norm_w = np.ones(V_DIM, np.float32)
-    for n in lengths:
-        mixed = rng.standard_normal((n, channels), dtype=np.float32)
-        z = rng.standard_normal((n, V_HEADS * V_DIM), dtype=np.float32)
-        b, a = (rng.standard_normal((n, V_HEADS), dtype=np.float32) for _ in range(2))
-        out = np.empty((n, V_HEADS * V_DIM), np.float32)
-
-        def call():
-            conv = np.zeros((CONV - 1, channels), np.float32)
-            state = np.zeros((V_HEADS, K_DIM, V_DIM), np.float32)
-            gated_deltanet_prompt(mixed, conv, conv_w, z, b, a, a_log, dt_bias, norm_w, np.float32(1e-6), state,
-                                  K_HEADS, V_HEADS, K_DIM, V_DIM, out)
-
-        lines.append(f"deltanet T={n}: {1e3 * median_s(call, 5):.1f} ms")
+        counts = np.diff(starts)
+        spread = f", skew {skew:g}: tokens per expert {counts.min()}-{counts.max()}" if skew else ""
+        for deal in deals:  # "dealt": as `experts_matmat` runs them; "halves": each thread its own half
+            threads = numba.get_num_threads() if deal == "dealt" else 1
+            gate_up = median_s(lambda: qmatmat.experts_gate_up(marker, bases, nbytes, HIDDEN, INTER, xs, starts, hs,
+                                                               threads), 8)
+            down = median_s(lambda: qmatmat.experts_down(marker, bases, nbytes, HIDDEN, INTER, hs, starts, out, dest,
+                                                         threads), 8)
+            how = f"{where}{spread}" + (f", items {deal}" if len(deals) > 1 else "")
+            lines.append(f"experts {kind} gate_up{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s ({1e3 * gate_up:.1f} ms)")
+            lines.append(f"experts {kind} down{how}: {macs / down / 1e9:.1f} GMAC/s ({1e3 * down:.1f} ms)")
     return lines
 
 
@@ -171,6 +149,11 @@ def main() -> None:
     p.add_argument("--from-cache", action="store_true",
                    help="also the experts' launches with all 64 experts on one blob (cache-resident): "
                         "the gap to the default lines is what reading the experts from DRAM costs")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="uneven routing in the experts' lines: expert e's logit lowered by skew * log(e + 1)")
+    p.add_argument("--deals", default="dealt",
+                   help="how the experts' work items go to the threads, comma-separated, each in turn: dealt "
+                        "(round-robin, as the engine runs them), halves (each thread a contiguous half)")
     p.add_argument("--parts", default="pass,matmat,experts,attention,deltanet",
                    help="which lines, comma-separated: pass,matmat,experts,attention,deltanet")
     a = p.parse_args()
@@ -178,9 +161,11 @@ def main() -> None:
     kinds = a.kinds.split(",")
     parts = set(a.parts.split(","))
     lengths = [int(n) for n in a.attention.split(",")]
+    deals = tuple(a.deals.split(","))
     makers = [("pass", lambda: [pass_line(rng)]), ("matmat", lambda: matmat_lines(kinds, rng)),
-              ("experts", lambda: experts_lines(kinds, a.prompt_tokens, rng)
-               + (experts_lines(kinds, a.prompt_tokens, rng, from_cache=True) if a.from_cache else [])),
+              ("experts", lambda: experts_lines(kinds, a.prompt_tokens, rng, skew=a.skew, deals=deals)
+               + (experts_lines(kinds, a.prompt_tokens, rng, from_cache=True, skew=a.skew, deals=deals)
+                  if a.from_cache else [])),
               ("attention", lambda: attention_lines(lengths, a.decode_at, rng)),
               ("deltanet", lambda: deltanet_lines(lengths, rng))]
     for name, make in makers:

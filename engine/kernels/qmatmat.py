@@ -20,6 +20,7 @@ matvecs of `qmatvec` (which scale each group's sum, not each weight).
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
@@ -548,6 +549,37 @@ def expert_matmat(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.nd
 _PAIR_ROWS = 8  # gate rows (and the same up rows) per work item of the gate|up launch
 
 
+@njit(**_OPTS)
+def _dealt(i, n_items, threads):
+    """The work item that step i of a parallel loop over n_items takes, dealt round-robin.
+
+    Why: numba's OpenMP pool hands each thread one contiguous share of the steps (also
+    with a parallel chunk size: the chunks are split the same way), and an expert's
+    items cost in proportion to its tokens, which a trained router makes uneven; dealt
+    round-robin, each thread takes every `threads`-th item, so about its share of each
+    expert. Results do not depend on which thread takes an item."""
+    share = (n_items + threads - 1) // threads
+    return (i % share) * threads + i // share
+
+
+@njit(**_OPTS)
+def _dealt_next(i, w, n_items, threads):
+    """The item that step i's thread most likely takes after item w (w itself when none)."""
+    share = (n_items + threads - 1) // threads
+    if (i + 1) % share == 0:
+        return w
+    nxt = _dealt(i + 1, n_items, threads)
+    return nxt if nxt < n_items else w
+
+
+@njit(**_OPTS)
+def _dealt_steps(n_items, threads):
+    """Steps of the parallel loop that deals n_items to `threads` threads (`_dealt`): a whole
+    share per thread; steps past the last item do nothing."""
+    threads = max(1, threads)
+    return (n_items + threads - 1) // threads * threads
+
+
 @intrinsic
 def _at(typingctx, addr, marker):
     """A pointer to marker's dtype at the integer address addr."""
@@ -625,15 +657,21 @@ def gather_chunked(x, rows, width, xs):
 
 
 @njit(**dict(_OPTS, parallel=True, error_model="numpy"))
-def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs):
+def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs, threads):
     """hs[j, t, c] = silu(gate x_t) * (up x_t) at row j * width + c of expert e's inter rows,
     for the tokens starts[e] <= t < starts[e + 1] of xs [chunks, N, hidden's width] and the
-    blob at address bases[e]; hs is [inter chunks, N, inter's width]."""
+    blob at address bases[e]; hs is [inter chunks, N, inter's width]. The work items are
+    dealt to `threads` threads round-robin (`_dealt`)."""
     per = (inter + _PAIR_ROWS - 1) // _PAIR_ROWS
     chunks, width = xs.shape[0], xs.shape[2]
     h_width = hs.shape[2]
     tile = _token_tile(hidden)
-    for w in prange(bases.shape[0] * per):
+    n_items = bases.shape[0] * per
+    threads = max(1, threads)
+    for step in prange(_dealt_steps(n_items, threads)):
+        w = _dealt(step, n_items, threads)
+        if w >= n_items:
+            continue
         e = w // per
         r0 = (w % per) * _PAIR_ROWS
         n = min(_PAIR_ROWS, inter - r0)
@@ -648,7 +686,7 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs):
         res = np.empty((tile, 2 * _PAIR_ROWS), dtype=np.float32)
         # the item this thread most likely takes next; its rows are prefetched for bf16 and fp32
         # only (int8/int4 experts read as fast from DRAM as from cache: tools/prompt_kernels.py)
-        nxt = min(w + 1, bases.shape[0] * per - 1)
+        nxt = _dealt_next(step, w, n_items, threads)
         gate_n, _, up_n, _, _, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _PAIR_ROWS
         n_n = min(_PAIR_ROWS, inter - r_n) if nxt != w and marker.itemsize > 1 else 0
@@ -662,13 +700,18 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs):
 
 
 @njit(**dict(_OPTS, parallel=True))
-def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows):
+def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows, threads):
     """out[out_rows[t]] = down h_t of expert e for the tokens starts[e] <= t < starts[e + 1] of
-    hs (from `experts_gate_up`) and the blob at address bases[e]."""
+    hs (from `experts_gate_up`) and the blob at address bases[e]; items dealt as there."""
     per = (hidden + _ROW_BLOCK - 1) // _ROW_BLOCK
     chunks, width = hs.shape[0], hs.shape[2]
     tile = _token_tile(inter)
-    for w in prange(bases.shape[0] * per):
+    n_items = bases.shape[0] * per
+    threads = max(1, threads)
+    for step in prange(_dealt_steps(n_items, threads)):
+        w = _dealt(step, n_items, threads)
+        if w >= n_items:
+            continue
         e = w // per
         r0 = (w % per) * _ROW_BLOCK
         n = min(_ROW_BLOCK, hidden - r0)
@@ -679,7 +722,7 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
             _widen_row_into(down, sd, r0 + i, i % 4, blocks[i // 4])
         acc = np.empty((tile + 3, 4), dtype=np.float32)
         res = np.empty((tile, _ROW_BLOCK), dtype=np.float32)
-        nxt = min(w + 1, bases.shape[0] * per - 1)
+        nxt = _dealt_next(step, w, n_items, threads)
         _, _, _, _, down_n, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _ROW_BLOCK
         n_n = min(_ROW_BLOCK, hidden - r_n) if nxt != w and marker.itemsize > 1 else 0
@@ -728,5 +771,6 @@ def experts_matmat(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarra
     h_width = _chunk_width(inter)
     hs = np.empty((inter // h_width, rows.size, h_width), dtype=np.float32)
     marker = _MARKERS[kind]
-    experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs)
-    experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, dest)
+    threads = numba.get_num_threads()
+    experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs, threads)
+    experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, dest, threads)
