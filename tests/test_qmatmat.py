@@ -191,17 +191,18 @@ def test_an_experts_rows_do_not_depend_on_its_batch(kind):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4, 7])
-def test_dealt_items_cover_every_item_once_and_split_round_robin(threads):
-    """The experts' launches deal their work items round-robin: over the padded steps each
-    item comes exactly once, and each thread's contiguous share of steps holds every
-    `threads`-th item (so about its share of each expert)."""
+@pytest.mark.parametrize("run", [1, 2, 3])
+def test_dealt_items_cover_every_item_once_and_split_round_robin(threads, run):
+    """The experts' launches deal their work items round-robin in runs: over the padded steps
+    each item comes exactly once, and each thread's contiguous share of steps holds every
+    `threads`-th run of `run` consecutive items (so about its share of each expert)."""
     for n_items in (1, 2, 5, 7, 64, 129, 4096):
-        steps = qmatmat._dealt_steps(n_items, threads)
+        steps = qmatmat._dealt_steps(n_items, threads, run)
         share = steps // threads
-        dealt = [qmatmat._dealt(i, n_items, threads) for i in range(steps)]
+        dealt = [qmatmat._dealt(i, n_items, threads, run) for i in range(steps)]
         assert sorted(w for w in dealt if w < n_items) == list(range(n_items))
-        assert all(w % threads == i // share for i, w in enumerate(dealt))
-        nxt = [qmatmat._dealt_next(i, dealt[i], n_items, threads) for i in range(steps) if dealt[i] < n_items]
+        assert all((w // run) % threads == i // share for i, w in enumerate(dealt))
+        nxt = [qmatmat._dealt_next(i, dealt[i], n_items, threads, run) for i in range(steps) if dealt[i] < n_items]
         assert all(0 <= w < n_items for w in nxt)
 
 

@@ -547,37 +547,48 @@ def expert_matmat(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.nd
 # lie anywhere (RAM slots, scratch buffers) while the caller holds them.
 
 _PAIR_ROWS = 8  # gate rows (and the same up rows) per work item of the gate|up launch
+#: gate|up items dealt to a thread together: two items' 16 values of h per token are one
+#: 64-byte line, which two threads would otherwise write by halves (false sharing)
+_GATE_UP_RUN = 2
 
 
 @njit(**_OPTS)
-def _dealt(i, n_items, threads):
-    """The work item that step i of a parallel loop over n_items takes, dealt round-robin.
+def _dealt_share(n_items, threads, run):
+    """Steps of each thread's contiguous share when n_items are dealt in runs of `run`."""
+    runs = (n_items + run - 1) // run
+    return (runs + threads - 1) // threads * run
+
+
+@njit(**_OPTS)
+def _dealt(step, n_items, threads, run):
+    """The work item that `step` of a parallel loop over n_items takes, dealt round-robin in
+    runs of `run` consecutive items.
 
     Why: numba's OpenMP pool hands each thread one contiguous share of the steps (also
     with a parallel chunk size: the chunks are split the same way), and an expert's
     items cost in proportion to its tokens, which a trained router makes uneven; dealt
-    round-robin, each thread takes every `threads`-th item, so about its share of each
-    expert. Results do not depend on which thread takes an item."""
-    share = (n_items + threads - 1) // threads
-    return (i % share) * threads + i // share
+    round-robin, each thread takes every `threads`-th run, so about its share of each
+    expert. A run keeps the items that write the same cache lines on one thread.
+    Results do not depend on which thread takes an item."""
+    share = _dealt_share(n_items, threads, run)
+    k = step % share
+    return ((k // run) * threads + step // share) * run + k % run
 
 
 @njit(**_OPTS)
-def _dealt_next(i, w, n_items, threads):
-    """The item that step i's thread most likely takes after item w (w itself when none)."""
-    share = (n_items + threads - 1) // threads
-    if (i + 1) % share == 0:
+def _dealt_next(step, w, n_items, threads, run):
+    """The item that step's thread most likely takes after item w (w itself when none)."""
+    if (step + 1) % _dealt_share(n_items, threads, run) == 0:
         return w
-    nxt = _dealt(i + 1, n_items, threads)
+    nxt = _dealt(step + 1, n_items, threads, run)
     return nxt if nxt < n_items else w
 
 
 @njit(**_OPTS)
-def _dealt_steps(n_items, threads):
+def _dealt_steps(n_items, threads, run):
     """Steps of the parallel loop that deals n_items to `threads` threads (`_dealt`): a whole
     share per thread; steps past the last item do nothing."""
-    threads = max(1, threads)
-    return (n_items + threads - 1) // threads * threads
+    return _dealt_share(n_items, max(1, threads), run) * max(1, threads)
 
 
 @intrinsic
@@ -668,8 +679,8 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs, thread
     tile = _token_tile(hidden)
     n_items = bases.shape[0] * per
     threads = max(1, threads)
-    for step in prange(_dealt_steps(n_items, threads)):
-        w = _dealt(step, n_items, threads)
+    for step in prange(_dealt_steps(n_items, threads, _GATE_UP_RUN)):
+        w = _dealt(step, n_items, threads, _GATE_UP_RUN)
         if w >= n_items:
             continue
         e = w // per
@@ -686,7 +697,7 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs, thread
         res = np.empty((tile, 2 * _PAIR_ROWS), dtype=np.float32)
         # the item this thread most likely takes next; its rows are prefetched for bf16 and fp32
         # only (int8/int4 experts read as fast from DRAM as from cache: tools/prompt_kernels.py)
-        nxt = _dealt_next(step, w, n_items, threads)
+        nxt = _dealt_next(step, w, n_items, threads, _GATE_UP_RUN)
         gate_n, _, up_n, _, _, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _PAIR_ROWS
         n_n = min(_PAIR_ROWS, inter - r_n) if nxt != w and marker.itemsize > 1 else 0
@@ -708,8 +719,8 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
     tile = _token_tile(inter)
     n_items = bases.shape[0] * per
     threads = max(1, threads)
-    for step in prange(_dealt_steps(n_items, threads)):
-        w = _dealt(step, n_items, threads)
+    for step in prange(_dealt_steps(n_items, threads, 1)):
+        w = _dealt(step, n_items, threads, 1)
         if w >= n_items:
             continue
         e = w // per
@@ -722,7 +733,7 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
             _widen_row_into(down, sd, r0 + i, i % 4, blocks[i // 4])
         acc = np.empty((tile + 3, 4), dtype=np.float32)
         res = np.empty((tile, _ROW_BLOCK), dtype=np.float32)
-        nxt = _dealt_next(step, w, n_items, threads)
+        nxt = _dealt_next(step, w, n_items, threads, 1)
         _, _, _, _, down_n, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _ROW_BLOCK
         n_n = min(_ROW_BLOCK, hidden - r_n) if nxt != w and marker.itemsize > 1 else 0
