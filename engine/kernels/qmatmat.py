@@ -547,9 +547,6 @@ def expert_matmat(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.nd
 # lie anywhere (RAM slots, scratch buffers) while the caller holds them.
 
 _PAIR_ROWS = 8  # gate rows (and the same up rows) per work item of the gate|up launch
-#: gate|up items dealt to a thread together: two items' 16 values of h per token are one
-#: 64-byte line, which two threads would otherwise write by halves (false sharing)
-_GATE_UP_RUN = 2
 
 
 @njit(**_OPTS)
@@ -567,8 +564,8 @@ def _dealt(step, n_items, threads, run):
     Why: numba's OpenMP pool hands each thread one contiguous share of the steps (also
     with a parallel chunk size: the chunks are split the same way), and an expert's
     items cost in proportion to its tokens, which a trained router makes uneven; dealt
-    round-robin, each thread takes every `threads`-th run, so about its share of each
-    expert. A run keeps the items that write the same cache lines on one thread.
+    round-robin, each thread takes every `threads`-th run (`_expert_run`: its share of
+    each expert).
     Results do not depend on which thread takes an item."""
     share = _dealt_share(n_items, threads, run)
     k = step % share
@@ -582,6 +579,17 @@ def _dealt_next(step, w, n_items, threads, run):
         return w
     nxt = _dealt(step + 1, n_items, threads, run)
     return nxt if nxt < n_items else w
+
+
+@njit(**_OPTS)
+def _expert_run(per, threads):
+    """Run length for dealing an experts' launch whose experts have `per` items each: every
+    expert's items in `threads` runs, so each thread takes an equal share of every expert
+    (whatever the token counts) as one contiguous stretch of its rows, which the hardware
+    prefetchers follow (dealt one item at a time, each thread skipped every other 4 KiB
+    of int4 rows and the down launch ran 5-20% slower with even token counts)."""
+    threads = max(1, threads)
+    return max(1, (per + threads - 1) // threads)
 
 
 @njit(**_OPTS)
@@ -672,15 +680,16 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs, thread
     """hs[j, t, c] = silu(gate x_t) * (up x_t) at row j * width + c of expert e's inter rows,
     for the tokens starts[e] <= t < starts[e + 1] of xs [chunks, N, hidden's width] and the
     blob at address bases[e]; hs is [inter chunks, N, inter's width]. The work items are
-    dealt to `threads` threads round-robin (`_dealt`)."""
+    dealt to `threads` threads round-robin, a run per thread and expert (`_dealt`)."""
     per = (inter + _PAIR_ROWS - 1) // _PAIR_ROWS
     chunks, width = xs.shape[0], xs.shape[2]
     h_width = hs.shape[2]
     tile = _token_tile(hidden)
     n_items = bases.shape[0] * per
     threads = max(1, threads)
-    for step in prange(_dealt_steps(n_items, threads, _GATE_UP_RUN)):
-        w = _dealt(step, n_items, threads, _GATE_UP_RUN)
+    run = _expert_run(per, threads)
+    for step in prange(_dealt_steps(n_items, threads, run)):
+        w = _dealt(step, n_items, threads, run)
         if w >= n_items:
             continue
         e = w // per
@@ -697,7 +706,7 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs, thread
         res = np.empty((tile, 2 * _PAIR_ROWS), dtype=np.float32)
         # the item this thread most likely takes next; its rows are prefetched for bf16 and fp32
         # only (int8/int4 experts read as fast from DRAM as from cache: tools/prompt_kernels.py)
-        nxt = _dealt_next(step, w, n_items, threads, _GATE_UP_RUN)
+        nxt = _dealt_next(step, w, n_items, threads, run)
         gate_n, _, up_n, _, _, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _PAIR_ROWS
         n_n = min(_PAIR_ROWS, inter - r_n) if nxt != w and marker.itemsize > 1 else 0
@@ -719,8 +728,9 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
     tile = _token_tile(inter)
     n_items = bases.shape[0] * per
     threads = max(1, threads)
-    for step in prange(_dealt_steps(n_items, threads, 1)):
-        w = _dealt(step, n_items, threads, 1)
+    run = _expert_run(per, threads)
+    for step in prange(_dealt_steps(n_items, threads, run)):
+        w = _dealt(step, n_items, threads, run)
         if w >= n_items:
             continue
         e = w // per
@@ -733,7 +743,7 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
             _widen_row_into(down, sd, r0 + i, i % 4, blocks[i // 4])
         acc = np.empty((tile + 3, 4), dtype=np.float32)
         res = np.empty((tile, _ROW_BLOCK), dtype=np.float32)
-        nxt = _dealt_next(step, w, n_items, threads, 1)
+        nxt = _dealt_next(step, w, n_items, threads, run)
         _, _, _, _, down_n, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _ROW_BLOCK
         n_n = min(_ROW_BLOCK, hidden - r_n) if nxt != w and marker.itemsize > 1 else 0
