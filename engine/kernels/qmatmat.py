@@ -707,7 +707,9 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs, thread
         # the item this thread most likely takes next: its rows are prefetched while this one
         # computes (int8 and int4 too: gate|up 10% and 4% faster at 128 tokens, 2026-12-04)
         nxt = _dealt_next(step, w, n_items, threads, run)
-        gate_n, _, up_n, _, _, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
+        gate_n, up_n = gate, up  # the next item is mostly the same expert's: its views as they are
+        if nxt // per != e:
+            gate_n, _, up_n, _, _, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _PAIR_ROWS
         n_n = min(_PAIR_ROWS, inter - r_n) if nxt != w else 0
         for t0 in range(starts[e], starts[e + 1], tile):
@@ -744,7 +746,9 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
         acc = np.empty((tile + 3, 4), dtype=np.float32)
         res = np.empty((tile, _ROW_BLOCK), dtype=np.float32)
         nxt = _dealt_next(step, w, n_items, threads, run)
-        _, _, _, _, down_n, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
+        down_n = down
+        if nxt // per != e:
+            _, _, _, _, down_n, _ = _expert_matrices(marker, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * _ROW_BLOCK
         n_n = min(_ROW_BLOCK, hidden - r_n) if nxt != w else 0
         for t0 in range(starts[e], starts[e + 1], tile):
