@@ -593,6 +593,16 @@ def _expert_run(per, threads):
 
 
 @njit(**_OPTS)
+def _deal_plan(n_experts, per, threads):
+    """(items, threads, run, steps) of an experts' launch of n_experts with `per` items each
+    dealt to `threads` threads (at least 1): the loop runs `steps` steps (`_dealt`)."""
+    threads = max(1, threads)
+    run = _expert_run(per, threads)
+    n_items = n_experts * per
+    return n_items, threads, run, _dealt_steps(n_items, threads, run)
+
+
+@njit(**_OPTS)
 def _dealt_steps(n_items, threads, run):
     """Steps of the parallel loop that deals n_items to `threads` threads (`_dealt`): a whole
     share per thread; steps past the last item do nothing."""
@@ -685,10 +695,8 @@ def experts_gate_up(marker, bases, nbytes, hidden, inter, xs, starts, hs, thread
     chunks, width = xs.shape[0], xs.shape[2]
     h_width = hs.shape[2]
     tile = _token_tile(hidden)
-    n_items = bases.shape[0] * per
-    threads = max(1, threads)
-    run = _expert_run(per, threads)
-    for step in prange(_dealt_steps(n_items, threads, run)):
+    n_items, threads, run, steps = _deal_plan(bases.shape[0], per, threads)
+    for step in prange(steps):
         w = _dealt(step, n_items, threads, run)
         if w >= n_items:
             continue
@@ -728,10 +736,8 @@ def experts_down(marker, bases, nbytes, hidden, inter, hs, starts, out, out_rows
     per = (hidden + _ROW_BLOCK - 1) // _ROW_BLOCK
     chunks, width = hs.shape[0], hs.shape[2]
     tile = _token_tile(inter)
-    n_items = bases.shape[0] * per
-    threads = max(1, threads)
-    run = _expert_run(per, threads)
-    for step in prange(_dealt_steps(n_items, threads, run)):
+    n_items, threads, run, steps = _deal_plan(bases.shape[0], per, threads)
+    for step in prange(steps):
         w = _dealt(step, n_items, threads, run)
         if w >= n_items:
             continue
