@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 
 from tierlab.engine import quant as Q
-import numba
-
 from tierlab.engine.kernels import qmatmat
 from tierlab.engine.kernels.qmatmat import _TOKENS_PER_PASS, expert_matmat, experts_matmat, matmat
 from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD, expert_forward_tokens

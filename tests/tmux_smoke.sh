@@ -19,17 +19,6 @@ trap cleanup EXIT
 
 screen() { tmux capture-pane -p -t "$SESSION"; }
 
-wait_for() {  # wait_for PATTERN SECONDS: until the screen matches the extended regex
-    local pattern=$1 deadline=$((SECONDS + $2))
-    while ((SECONDS < deadline)); do
-        if screen | grep -Eq -- "$pattern"; then return 0; fi
-        sleep 0.2
-    done
-    echo "FAIL: screen never showed /$pattern/ within $2 s:" >&2
-    screen >&2
-    exit 1
-}
-
 seen_within() {  # seen_within PATTERN SECONDS: 0 if the screen matches in time, 1 if not
     local pattern=$1 deadline=$((SECONDS + $2))
     while ((SECONDS < deadline)); do
@@ -37,6 +26,13 @@ seen_within() {  # seen_within PATTERN SECONDS: 0 if the screen matches in time,
         sleep 0.2
     done
     return 1
+}
+
+wait_for() {  # wait_for PATTERN SECONDS: until the screen matches the extended regex
+    if seen_within "$1" "$2"; then return 0; fi
+    echo "FAIL: screen never showed /$1/ within $2 s:" >&2
+    screen >&2
+    exit 1
 }
 
 wait_gone() {  # wait_gone PATTERN SECONDS: until the screen no longer matches

@@ -29,8 +29,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import numba
+import numpy as np
 from numba import njit
 
 from tierlab.app.lab import bench_kernels as B
@@ -137,6 +137,46 @@ def experts_lines(kinds: list[str], tokens: int, rng, from_cache: bool = False, 
             how = f"{where}{spread}" + (f", items {deal}" if len(deals) > 1 else "")
             lines.append(f"experts {kind} gate_up{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s ({1e3 * gate_up:.1f} ms)")
             lines.append(f"experts {kind} down{how}: {macs / down / 1e9:.1f} GMAC/s ({1e3 * down:.1f} ms)")
+    return lines
+
+
+def attention_lines(lengths: list[int], decode_at: int, rng) -> list[str]:
+    lines = []
+    cap = max(lengths + [decode_at + 1])
+    k = rng.standard_normal((KV_HEADS, cap, HEAD_DIM), dtype=np.float32)
+    v = rng.standard_normal((KV_HEADS, cap, HEAD_DIM), dtype=np.float32)
+    for n in lengths:
+        q = rng.standard_normal((n, Q_HEADS, HEAD_DIM), dtype=np.float32)
+        out = np.empty_like(q)
+        t = median_s(lambda: attention(q, k, v, 0, out), 5)
+        lines.append(f"attention T={n}: {1e3 * t:.1f} ms")
+    q = rng.standard_normal((1, Q_HEADS, HEAD_DIM), dtype=np.float32)
+    out = np.empty_like(q)
+    t = median_s(lambda: attention(q, k, v, decode_at, out), 200)
+    lines.append(f"attention decode at {decode_at}: {1e6 * t:.1f} us")
+    return lines
+
+
+def deltanet_lines(lengths: list[int], rng) -> list[str]:
+    lines = []
+    channels = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM
+    conv_w = (0.3 * rng.standard_normal((channels, CONV))).astype(np.float32)
+    a_log = rng.standard_normal(V_HEADS).astype(np.float32)
+    dt_bias = rng.standard_normal(V_HEADS).astype(np.float32)
+    norm_w = np.ones(V_DIM, np.float32)
+    for n in lengths:
+        mixed = rng.standard_normal((n, channels), dtype=np.float32)
+        z = rng.standard_normal((n, V_HEADS * V_DIM), dtype=np.float32)
+        b, a = (rng.standard_normal((n, V_HEADS), dtype=np.float32) for _ in range(2))
+        out = np.empty((n, V_HEADS * V_DIM), np.float32)
+
+        def call():
+            conv = np.zeros((CONV - 1, channels), np.float32)
+            state = np.zeros((V_HEADS, K_DIM, V_DIM), np.float32)
+            gated_deltanet_prompt(mixed, conv, conv_w, z, b, a, a_log, dt_bias, norm_w, np.float32(1e-6), state,
+                                  K_HEADS, V_HEADS, K_DIM, V_DIM, out)
+
+        lines.append(f"deltanet T={n}: {1e3 * median_s(call, 5):.1f} ms")
     return lines
 
 
