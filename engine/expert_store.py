@@ -60,6 +60,7 @@ import numpy as np
 from tierlab.engine import budget, hugepages
 from tierlab.engine.errors import TierlabError
 from tierlab.engine.events import LEVEL_GPU
+from tierlab.engine.kernels.experts_tokens import experts_tokens, few_token_limit
 from tierlab.engine.kernels.qmatmat import expert_matmat, experts_matmat
 from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward
 from tierlab.engine.tiering import TierOptions
@@ -160,8 +161,6 @@ class HeldExperts:
 
 #: a streamed prompt's reads in flight or done ahead of the expert being computed
 PROMPT_READS_AHEAD = 4
-#: a prompt's expert with at most this many tokens runs the one-token kernel per token
-PROMPT_MATVEC_TOKENS = 4
 
 
 class PromptLayer:
@@ -488,20 +487,22 @@ class ExpertStore:
     def forward_batch(self, blobs: list[np.ndarray], token_rows: list[list[int]], x: np.ndarray, out: np.ndarray,
                       out_rows: list[list[int]], exact: bool = False) -> None:
         """out[out_rows[e][i]] = expert e (blobs[e]) of x[token_rows[e][i]] for a batch of a
-        prompt's experts: those with more than `PROMPT_MATVEC_TOKENS` tokens by matrix-matrix
+        prompt's experts: those with more than `few_token_limit(kind)` tokens by matrix-matrix
         products in one pair of launches (within 1e-5 of decode), the others by the one-token
-        kernel, whose widening-free integer dots cost less than widening rows for so few
-        tokens; with `exact` all by the one-token kernel, bit-identical to decode. Which kernel
-        an expert gets depends on its own token count only, so results never depend on the
-        batch."""
+        kernel's dots in another pair (`experts_tokens`: for so few tokens, dots that need no
+        widened rows cost less), bit-identical to decode; with `exact` all of them so. Which
+        kernel an expert gets depends on its own token count only, so results never depend on
+        the batch."""
         source = self._source
-        wide = [i for i, rows in enumerate(token_rows) if len(rows) > PROMPT_MATVEC_TOKENS and not exact]
+        limit = few_token_limit(source.kind)
+        wide = [i for i, rows in enumerate(token_rows) if len(rows) > limit and not exact]
         if wide:
             experts_matmat(source.kind, [blobs[i] for i in wide], source.hidden, source.inter, x,
                            [token_rows[i] for i in wide], out, [out_rows[i] for i in wide])
-        for i, rows in enumerate(token_rows):
-            if exact or len(rows) <= PROMPT_MATVEC_TOKENS:
-                out[out_rows[i]] = expert_forward_tokens(source.kind, blobs[i], source.hidden, source.inter, x[rows])
+        few = [i for i, rows in enumerate(token_rows) if exact or len(rows) <= limit]
+        if few:
+            experts_tokens(source.kind, [blobs[i] for i in few], source.hidden, source.inter, x,
+                           [token_rows[i] for i in few], out, [out_rows[i] for i in few])
 
     # -- a prompt's experts, streamed -------------------------------------------------------
     def begin_prompt(self, layer: int) -> "PromptLayer":

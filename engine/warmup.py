@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from tierlab.engine.expert_store import PROMPT_MATVEC_TOKENS
+from tierlab.engine.kernels.experts_tokens import few_token_limit
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.qlinear import QuantMatrix, RowStack
 
@@ -129,9 +129,10 @@ def warm_up(engine, progress: Progress | None = None) -> WarmupReport:
     cfg = engine.config
     layers = representative_layers(engine)
     ids = [i % cfg.vocab_size for i in (1, 2)]
-    # more (token, expert) pairs than PROMPT_MATVEC_TOKENS per expert, so some expert takes the
+    # more (token, expert) pairs than few_token_limit per expert, so some expert takes the
     # matrix kernels; one token repeated routes to few experts, so the step reads few
-    wide_ids = ids[:1] * (PROMPT_MATVEC_TOKENS * cfg.n_experts // cfg.top_k + 1)
+    few = few_token_limit(engine.store_stats().expert_kind)
+    wide_ids = ids[:1] * (few * cfg.n_experts // cfg.top_k + 1)
     total = len(STEPS)
     t0 = time.perf_counter()
     at = [0]  # the step under way, for progress during its compiles

@@ -10,7 +10,8 @@ import pytest
 
 from tierlab import ASSETS_DIR
 from tierlab.engine.container import convert
-from tierlab.engine.expert_store import PROMPT_MATVEC_TOKENS, ExpertStore
+from tierlab.engine.expert_store import ExpertStore
+from tierlab.engine.kernels.experts_tokens import few_token_limit
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.model import load_engine
 from tierlab.engine.model_files import open_model_files
@@ -205,8 +206,8 @@ def test_a_failed_run_leaves_no_slot_claiming_bytes_it_lacks(folders):
 
 @pytest.mark.parametrize("source", ["safetensors", "int4"])
 def test_a_batch_gives_small_experts_decodes_bits_and_the_rest_within_float_noise(folders, source):
-    """`forward_batch` on a batch of a layer's slots: an expert of one or two tokens (the
-    one-token kernel) gives each token decode's bits, a wider one (the matrix kernels) within
+    """`forward_batch` on a batch of a layer's slots: an expert of few tokens (the
+    one-token kernel's dots) gives each token decode's bits, a wider one (the matrix kernels) within
     1e-5 of them; with `exact` every row is decode's."""
     files = open_model_files(folders[source])
     cfg = files.config
@@ -216,8 +217,9 @@ def test_a_batch_gives_small_experts_decodes_bits_and_the_rest_within_float_nois
         experts = [3, 7, 11, 20]
         for e in experts:
             store.prefetch(0, e)
-        x = np.random.default_rng(8).standard_normal((9, H)).astype(np.float32)
-        token_rows = [[4], [0, 8], [1, 2, 3, 5, 6], list(range(9))]
+        # the last expert has more tokens than any kind's few-token limit: the matrix kernels
+        x = np.random.default_rng(8).standard_normal((20, H)).astype(np.float32)
+        token_rows = [[4], [0, 8], [1, 2, 3, 5, 6], list(range(20))]
         out_rows, at = [], 0
         for rows in token_rows:
             out_rows.append(list(range(at, at + len(rows))))
@@ -235,7 +237,7 @@ def test_a_batch_gives_small_experts_decodes_bits_and_the_rest_within_float_nois
                 out = np.full((at, H), np.nan, dtype=np.float32)
                 store.forward_batch(blobs, token_rows, x, out, out_rows, exact=exact)
                 for want, rows, dest in zip(wants, token_rows, out_rows):
-                    if exact or len(rows) <= PROMPT_MATVEC_TOKENS:
+                    if exact or len(rows) <= few_token_limit(files.source.kind):
                         np.testing.assert_array_equal(out[dest], want)
                     else:
                         assert np.abs(out[dest] - want).max() <= 1e-5 * np.abs(want).max()
