@@ -6,6 +6,7 @@ import numba
 import numpy as np
 import pytest
 
+from tierlab.engine.blob_layout import blob_nbytes
 from tierlab.engine.kernels import experts_tokens as ET
 from tierlab.engine.kernels.experts_tokens import experts_tokens, few_token_limit
 from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD, expert_forward_tokens
@@ -68,7 +69,7 @@ def test_the_same_bits_with_any_thread_count_and_dealing(kind):
             results.append(out)
     finally:
         numba.set_num_threads(before)
-    nbytes = ET.blob_nbytes(kind, hidden, inter)
+    nbytes = blob_nbytes(kind, hidden, inter)
     bases = np.array([b.ctypes.data for b in blobs], np.intp)
     starts = np.cumsum([0] + [len(r) for r in token_rows]).astype(np.int64)
     tokens = np.array([t for rs in token_rows for t in rs], np.int64)

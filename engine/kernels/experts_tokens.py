@@ -23,8 +23,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from tierlab.engine.blob_layout import blob_nbytes
-from tierlab.engine.kernels.qmatmat import _MARKERS, _deal_plan, _dealt, _expert_matrices
+from tierlab.engine.kernels.qmatmat import _MARKERS, _deal_plan, _dealt, _expert_matrices, expert_batch
 from tierlab.engine.kernels.qmatvec import (_PARALLEL, _STEPS_PER_CHUNK, _WIDE, GATE_UP, INT_PATH, SET, _ahead_bytes,
                                             _columns_left, _first_left_over, _prepare_into, _prepared_sizes,
                                             _rows_dot, _silu_mul, _store4, _store_one, wide_vectors)
@@ -138,24 +137,11 @@ def experts_tokens(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarra
     """out[out_rows[e][i]] = expert e (blobs[e]) of x[token_rows[e][i]] for a batch of a prompt's
     experts, in two parallel launches; each row bit for bit `expert_forward_tokens`'s.
     x [T, hidden], out [rows, hidden] float32 (C order)."""
-    nbytes = blob_nbytes(kind, hidden, inter)
-    for b in blobs:
-        if b.dtype != np.uint8 or b.ndim != 1 or b.size < nbytes or not b.flags.c_contiguous:
-            raise ValueError(f"a {kind} expert blob of {hidden}x{inter} needs {nbytes} contiguous bytes")
-    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != hidden or not x.flags.c_contiguous:
-        raise ValueError(f"experts_tokens needs x float32[T, {hidden}] (C order), got {x.dtype}{x.shape}")
-    if out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != hidden or not out.flags.c_contiguous:
-        raise ValueError(f"experts_tokens needs out float32[rows, {hidden}] (C order)")
     if not blobs:
         return
-    starts = np.zeros(len(blobs) + 1, dtype=np.int64)
-    np.cumsum([len(r) for r in token_rows], out=starts[1:])
-    pairs = int(starts[-1])
-    tokens = np.fromiter((t for rs in token_rows for t in rs), dtype=np.int64, count=pairs)
-    dest = np.fromiter((r for rs in out_rows for r in rs), dtype=np.int64, count=pairs)
-    if pairs and (tokens.min() < 0 or tokens.max() >= x.shape[0] or dest.min() < 0 or dest.max() >= out.shape[0]):
-        raise ValueError("experts_tokens: a token or output row out of range")
-    bases = np.array([b.ctypes.data for b in blobs], dtype=np.intp)
+    nbytes, bases, starts, tokens, dest = expert_batch("experts_tokens", kind, blobs, hidden, inter, x, token_rows,
+                                                       out, out_rows)
+    pairs = tokens.size
     marker = _MARKERS[kind]
     threads = numba.get_num_threads()
     bits = _BITS[kind]

@@ -770,6 +770,31 @@ _MARKERS = {"fp32": np.empty(0, np.float32), "bf16": np.empty(0, np.uint16),
             "int8": np.empty(0, np.int8), "int4": np.empty(0, np.uint8)}
 
 
+def expert_batch(who: str, kind: str, blobs: list, hidden: int, inter: int, x: np.ndarray, token_rows: list,
+                 out: np.ndarray, out_rows: list) -> tuple:
+    """A prompt's batch of experts checked and laid out for the experts' launches: (blob bytes,
+    blob addresses, starts [experts + 1], token rows, output rows), each expert's pairs
+    starts[e]..starts[e + 1]; ValueError naming `who` on a short blob, bad arrays or rows
+    out of range."""
+    nbytes = blob_nbytes(kind, hidden, inter)
+    for b in blobs:
+        if b.dtype != np.uint8 or b.ndim != 1 or b.size < nbytes or not b.flags.c_contiguous:
+            raise ValueError(f"a {kind} expert blob of {hidden}x{inter} needs {nbytes} contiguous bytes")
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != hidden or not x.flags.c_contiguous:
+        raise ValueError(f"{who} needs x float32[T, {hidden}] (C order), got {x.dtype}{x.shape}")
+    if out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != hidden or not out.flags.c_contiguous:
+        raise ValueError(f"{who} needs out float32[rows, {hidden}] (C order)")
+    starts = np.zeros(len(blobs) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in token_rows], out=starts[1:])
+    pairs = int(starts[-1])
+    rows = np.fromiter((r for rs in token_rows for r in rs), dtype=np.int64, count=pairs)
+    dest = np.fromiter((r for rs in out_rows for r in rs), dtype=np.int64, count=pairs)
+    if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0] or dest.min() < 0 or dest.max() >= out.shape[0]):
+        raise ValueError(f"{who}: a token or output row out of range")
+    bases = np.array([b.ctypes.data for b in blobs], dtype=np.intp)
+    return nbytes, bases, starts, rows, dest
+
+
 def experts_matmat(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarray, token_rows: list,
                    out: np.ndarray, out_rows: list) -> None:
     """out[out_rows[e][i]] = expert e (blobs[e]) of x[token_rows[e][i]], for a batch of experts
@@ -780,22 +805,8 @@ def experts_matmat(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarra
     silu into the gate|up store. Each out row is the same whatever else is in the batch, within
     1e-5 relative of the one-token kernels; x [T, hidden], out [rows, hidden] float32.
     """
-    nbytes = blob_nbytes(kind, hidden, inter)
-    for b in blobs:
-        if b.dtype != np.uint8 or b.ndim != 1 or b.size < nbytes or not b.flags.c_contiguous:
-            raise ValueError(f"a {kind} expert blob of {hidden}x{inter} needs {nbytes} contiguous bytes")
-    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != hidden or not x.flags.c_contiguous:
-        raise ValueError(f"experts_matmat needs x float32[T, {hidden}] (C order), got {x.dtype}{x.shape}")
-    if out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != hidden or not out.flags.c_contiguous:
-        raise ValueError(f"experts_matmat needs out float32[rows, {hidden}] (C order)")
-    counts = [len(r) for r in token_rows]
-    starts = np.zeros(len(blobs) + 1, dtype=np.int64)
-    np.cumsum(counts, out=starts[1:])
-    rows = np.fromiter((r for rs in token_rows for r in rs), dtype=np.int64, count=int(starts[-1]))
-    dest = np.fromiter((r for rs in out_rows for r in rs), dtype=np.int64, count=int(starts[-1]))
-    if rows.size and (rows.min() < 0 or rows.max() >= x.shape[0] or dest.min() < 0 or dest.max() >= out.shape[0]):
-        raise ValueError("experts_matmat: a token or output row out of range")
-    bases = np.array([b.ctypes.data for b in blobs], dtype=np.intp)
+    nbytes, bases, starts, rows, dest = expert_batch("experts_matmat", kind, blobs, hidden, inter, x, token_rows,
+                                                     out, out_rows)
     width = _chunk_width(hidden)
     xs = np.empty((hidden // width, rows.size, width), dtype=np.float32)
     gather_chunked(x, rows, width, xs)
