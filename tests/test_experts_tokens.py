@@ -6,9 +6,9 @@ import numba
 import numpy as np
 import pytest
 
-from tierlab.engine.blob_layout import blob_nbytes
 from tierlab.engine.kernels import experts_tokens as ET
-from tierlab.engine.kernels.experts_tokens import experts_tokens, few_token_limit
+from tierlab.engine.kernels.qmatmat import expert_batch
+from tierlab.engine.kernels.experts_tokens import experts_tokens
 from tierlab.engine.kernels.qmatvec import EXPERT_FORWARD, expert_forward_tokens
 
 from test_qmatmat import _blob
@@ -16,7 +16,7 @@ from test_qmatmat import _blob
 KINDS = ["fp32", "bf16", "int8", "int4"]
 
 
-def _batch(n_tokens: int, token_rows: list[list[int]], rng) -> tuple[list[list[int]], int]:
+def _batch(token_rows: list[list[int]], rng) -> tuple[list[list[int]], int]:
     """Output rows for each expert's tokens, shuffled over the whole batch (as a prompt's are)."""
     order = rng.permutation(sum(map(len, token_rows))).tolist()
     out_rows, at = [], 0
@@ -38,7 +38,7 @@ def test_each_token_gets_the_one_token_kernels_bits(kind, hidden, inter):
     blobs = [_blob(kind, hidden, inter, rng) for _ in range(5)]
     x = rng.standard_normal((9, hidden)).astype(np.float32)
     token_rows = [[0, 3, 5], [7], list(range(9)), [], [2, 2, 8, 1]]
-    out_rows, n = _batch(9, token_rows, rng)
+    out_rows, n = _batch(token_rows, rng)
     out = np.full((n, hidden), np.nan, dtype=np.float32)
     experts_tokens(kind, blobs, hidden, inter, x, token_rows, out, out_rows)
     for blob, rows, dest in zip(blobs, token_rows, out_rows):
@@ -58,7 +58,7 @@ def test_the_same_bits_with_any_thread_count_and_dealing(kind):
     blobs = [_blob(kind, hidden, inter, rng) for _ in range(4)]
     x = rng.standard_normal((11, hidden)).astype(np.float32)
     token_rows = [[0, 3, 5], [7, 8, 9, 10, 1], list(range(11)), [6]]
-    out_rows, n = _batch(11, token_rows, rng)
+    out_rows, n = _batch(token_rows, rng)
     results = []
     before = numba.get_num_threads()
     try:
@@ -69,11 +69,8 @@ def test_the_same_bits_with_any_thread_count_and_dealing(kind):
             results.append(out)
     finally:
         numba.set_num_threads(before)
-    nbytes = blob_nbytes(kind, hidden, inter)
-    bases = np.array([b.ctypes.data for b in blobs], np.intp)
-    starts = np.cumsum([0] + [len(r) for r in token_rows]).astype(np.int64)
-    tokens = np.array([t for rs in token_rows for t in rs], np.int64)
-    dest = np.array([r for rs in out_rows for r in rs], np.int64)
+    out = np.empty((n, hidden), dtype=np.float32)
+    nbytes, bases, starts, tokens, dest = expert_batch("test", kind, blobs, hidden, inter, x, token_rows, out, out_rows)
     marker, bits = ET._MARKERS[kind], ET._BITS[kind]
     for deal in range(1, 6):
         h = np.empty((n, inter), np.float32)

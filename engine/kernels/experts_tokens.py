@@ -141,10 +141,14 @@ def experts_tokens(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarra
         return
     nbytes, bases, starts, tokens, dest = expert_batch("experts_tokens", kind, blobs, hidden, inter, x, token_rows,
                                                        out, out_rows)
-    pairs = tokens.size
+    # only the tokens the batch uses are prepared (a small cache streams a prompt's experts in
+    # many batches over the same x), each once however many experts it goes to
+    used, local = np.unique(tokens, return_inverse=True)
+    xs = np.ascontiguousarray(x[used])
     marker = _MARKERS[kind]
     threads = numba.get_num_threads()
     bits = _BITS[kind]
-    h = np.empty((pairs, inter), np.float32)
-    experts_tokens_gate_up(marker, bases, nbytes, hidden, inter, x, *_prepared(x, bits), tokens, starts, h, threads)
+    h = np.empty((tokens.size, inter), np.float32)
+    experts_tokens_gate_up(marker, bases, nbytes, hidden, inter, xs, *_prepared(xs, bits), local.astype(np.int64),
+                           starts, h, threads)
     experts_tokens_down(marker, bases, nbytes, hidden, inter, h, *_prepared(h, bits), starts, out, dest, threads)
