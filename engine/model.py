@@ -298,6 +298,10 @@ class Engine:
         t_start = time.perf_counter()
         x = to_f32(self.embed[ids]).reshape(T, cfg.hidden_size).copy()
         routes_by_layer = []
+        # only the last row of the last layer's MLP is read unless every token's logits are
+        # wanted: its routed experts run for the last token's experts alone (MoEBlock.forward)
+        trim_last = T > 1 and not all_logits
+        last = self.layers[-1]
         for layer, state in zip(self.layers, self.states):
             self.threads.follow()  # a reading of the load at most every SAMPLE_S; the count per layer
             t0 = time.perf_counter()
@@ -309,7 +313,7 @@ class Engine:
                 self._pilot().after_mixer(layer.index, x, ctx.knobs)
                 timers["pilot"] += time.perf_counter() - t0
             h = rmsnorm(x, layer.post_norm, cfg.rms_eps)
-            out, routes = layer.mlp.forward(h, ctx)
+            out, routes = layer.mlp.forward(h, ctx, last_row_only=trim_last and layer is last)
             x += out
             routes_by_layer.append(routes)
         self._count_routes(routes_by_layer)

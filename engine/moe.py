@@ -103,8 +103,14 @@ class MoEBlock:
                           np.zeros(K, dtype=np.bool_), slots=K, probs=probs[t])
 
     # -- compute ---------------------------------------------------------------
-    def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[LayerRoute]]:
-        """x: normed hidden states [T, H]; returns the block output and each token's route."""
+    def forward(self, x: np.ndarray, ctx, last_row_only: bool = False) -> tuple[np.ndarray, list[LayerRoute]]:
+        """x: normed hidden states [T, H]; returns the block output and each token's route.
+
+        `last_row_only`: only the output's last row will be read (a prompt's last layer when
+        only the next token's logits are wanted). Every token is still routed and claimed, so
+        routing records, meters, heat and residency are what they would be, but a grouped
+        prompt computes only the experts the last token uses (with all their tokens, so its
+        row keeps its bits); the other rows hold the shared expert's output alone."""
         T, H = x.shape
         timers = ctx.timers
         t0 = time.perf_counter()
@@ -114,7 +120,7 @@ class MoEBlock:
         timers["router"] += time.perf_counter() - t0
         out = np.zeros((T, H), dtype=np.float32)
         if T > 1 and self._can_group(ctx):
-            routes = self._grouped_experts(x, logits_all, out, ctx)
+            routes = self._grouped_experts(x, logits_all, out, ctx, last_row_only)
         else:
             routes = self._token_by_token(x, logits_all, out, ctx)
         if self.shared_down is not None:
@@ -143,7 +149,8 @@ class MoEBlock:
         """A prompt's experts may be computed per expert unless a GPU tier takes a share of them."""
         return ctx.store.can_group()
 
-    def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[LayerRoute]:
+    def _grouped_experts(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx,
+                         last_row_only: bool = False) -> list[LayerRoute]:
         """A prompt's experts, each read at most once and run once for all the tokens routed to it.
 
         Why it equals `_token_by_token`: every decision that depends on residency is taken in
@@ -201,16 +208,22 @@ class MoEBlock:
             rows = outputs.reshape(T * K, x.shape[1])
             exact = ctx.knobs.PREFILL_EXACT
             xc = np.ascontiguousarray(x, dtype=np.float32)
+            needed = {e for e in routes[-1].chosen.tolist() if e >= 0} if last_row_only else None
 
             def run(batch: list[tuple[int, np.ndarray]]) -> None:
+                if needed is not None:  # the other experts' reads still land (residency), their work is skipped
+                    batch = [(e, blob) for e, blob in batch if e in needed]
+                    if not batch:
+                        return
                 store.forward_batch([blob for _, blob in batch], [[t for t, _ in users[e]] for e, _ in batch], xc,
                                     rows, [[t * K + s for t, s in users[e]] for e, _ in batch], exact=exact)
 
             store.stream_batches(prompt, list(users), run, timers)
             t3 = time.perf_counter()
-            chosen = np.stack([route.chosen for route in routes])
-            weights = np.stack([route.weights for route in routes]).astype(np.float32, copy=False)
-            add_weighted_rows(out, chosen, weights, outputs)
+            first = T - 1 if last_row_only else 0  # rows before it: experts not run, outputs never written
+            chosen = np.stack([route.chosen for route in routes[first:]])
+            weights = np.stack([route.weights for route in routes[first:]]).astype(np.float32, copy=False)
+            add_weighted_rows(out[first:], chosen, weights, outputs[first:])
             timers["compute"] += time.perf_counter() - t3
         finally:
             store.end_prompt(prompt)
@@ -247,6 +260,6 @@ class DenseBlock:
     def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> None:
         self.mlp = SwiGLU(ckpt, f"layers.{layer}.mlp.", cfg.hidden_size, cfg.dense_inter)
 
-    def forward(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list]:
+    def forward(self, x: np.ndarray, ctx, last_row_only: bool = False) -> tuple[np.ndarray, list]:
         return self.mlp.forward(x), []
 
