@@ -172,15 +172,15 @@ def _f32_matrix(t) -> bool:
     return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == types.float32
 
 
-@intrinsic
-def _dot4x4_into(typingctx, w4, x, ta, tb, tc, td, acc, at):
-    """acc[at + s, k] += row k of w4 [4, n] . row t_s of x [N, n], for the four tokens
-    (ta, tb, tc, td); n a multiple of 16, acc [rows, 4]."""
-    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
-        return None
+def _dot4xn_codegen(n):
+    """Codegen of a pass of four rows by n tokens (n = 1..4): 4 * n 16-lane accumulators, then
+    `_tree_sums` over them and zero vectors in the absent tokens' places, so that a token's
+    sums take the same FMAs and additions in every variant (a sum only ever adds its own
+    vector's lanes, and a zero vector's sums are zeros)."""
 
     def codegen(context, builder, signature, args):
-        w_arr, x_arr, acc_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 6))
+        w_arr, x_arr, acc_arr = (context.make_array(signature.args[i])(context, builder, args[i])
+                                 for i in (0, 1, 2 + n))
 
         def row(arr, r):
             start = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()),
@@ -188,23 +188,64 @@ def _dot4x4_into(typingctx, w4, x, ta, tb, tc, td, acc, at):
             return builder.bitcast(start, arr.data.type)
 
         ws = [row(w_arr, ir.Constant(_I64, k)) for k in range(4)]
-        xs = [row(x_arr, context.cast(builder, args[2 + s], signature.args[2 + s], types.int64)) for s in range(4)]
+        xs = [row(x_arr, context.cast(builder, args[2 + s], signature.args[2 + s], types.int64)) for s in range(n)]
 
         def body(i, accs):
             col = builder.mul(i, ir.Constant(_I64, 16))
             wv = [_load_vec(builder, p, col, _V16F, 4) for p in ws]
             xv = [_load_vec(builder, p, col, _V16F, 4) for p in xs]
             return [builder.fadd(builder.fmul(wv[k], xv[s], flags=_FAST), accs[4 * s + k], flags=_FAST)
-                    for s in range(4) for k in range(4)]
+                    for s in range(n) for k in range(4)]
 
         steps = builder.sdiv(builder.extract_value(w_arr.shape, 1), ir.Constant(_I64, 16))
-        sums = _tree_sums(builder, _counted_loop(builder, steps, [ir.Constant(_V16F, [0.0] * 16)] * 16, body))
-        dst = builder.bitcast(row(acc_arr, context.cast(builder, args[7], signature.args[7], types.int64)),
+        zero = ir.Constant(_V16F, [0.0] * 16)
+        accs = _counted_loop(builder, steps, [zero] * (4 * n), body)
+        sums = _tree_sums(builder, accs + [zero] * (16 - 4 * n))
+        dst = builder.bitcast(row(acc_arr, context.cast(builder, args[3 + n], signature.args[3 + n], types.int64)),
                               _V16F.as_pointer())
         builder.store(builder.fadd(builder.load(dst, align=4), sums), dst, align=4)
         return context.get_dummy_value()
 
-    return types.none(w4, x, ta, tb, tc, td, acc, at), codegen
+    return codegen
+
+
+@intrinsic
+def _dot4x4_into(typingctx, w4, x, ta, tb, tc, td, acc, at):
+    """acc[at + s, k] += row k of w4 [4, n] . row t_s of x [N, n], for the four tokens
+    (ta, tb, tc, td); n a multiple of 16, acc [rows, 4]."""
+    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
+        return None
+    return types.none(w4, x, ta, tb, tc, td, acc, at), _dot4xn_codegen(4)
+
+
+# A pass's last tokens when fewer than four are left: a prompt's expert has any number of tokens,
+# and a pass of four repeating the last token spent up to 3/4 of its FMAs on copies (7% of a
+# 128-token prompt's grouped experts on the 64-expert slice, whose experts have 17-37 tokens).
+# Their sums are bit for bit what `_dot4x4_into` gives the same tokens.
+
+
+@intrinsic
+def _dot4x3_into(typingctx, w4, x, ta, tb, tc, acc, at):
+    """`_dot4x4_into` for three tokens (acc rows at..at+2, and += 0 into row at+3)."""
+    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
+        return None
+    return types.none(w4, x, ta, tb, tc, acc, at), _dot4xn_codegen(3)
+
+
+@intrinsic
+def _dot4x2_into_lanes(typingctx, w4, x, ta, tb, acc, at):
+    """`_dot4x4_into` for two tokens (acc rows at, at+1, and += 0 into the next two)."""
+    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
+        return None
+    return types.none(w4, x, ta, tb, acc, at), _dot4xn_codegen(2)
+
+
+@intrinsic
+def _dot4x1_into(typingctx, w4, x, ta, acc, at):
+    """`_dot4x4_into` for one token (acc row at, and += 0 into the next three)."""
+    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
+        return None
+    return types.none(w4, x, ta, acc, at), _dot4xn_codegen(1)
 
 
 @intrinsic
@@ -241,7 +282,8 @@ _TOKENS_PER_PASS = 4 if _WIDE else 2
 def _dot_rows4(block, xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done):
     """acc[t - t0, k] = row k of `block` (four widened rows, [chunks, 4, width]) . token t of xs
     for tokens t0..t1-1, `_TOKENS_PER_PASS` tokens a pass, chunk by chunk; acc has room for
-    3 rows past t1 - t0 (a last pass's repeated tokens land there). A row's and a token's
+    3 rows past t1 - t0 (a last pass of fewer than four adds zeros there, dot4x2's repeats
+    its last token there). A row's and a token's
     sums depend only on their own values (with dot4x2: and the token's parity; t0 is even),
     never on T or on the other rows.
     After each pass of four tokens, `step` more lines (from line `done` on) of rows ra.. and
@@ -255,7 +297,15 @@ def _dot_rows4(block, xs, t0, t1, acc, pa, ra, pb, rb, pn, step, done):
         xj = xs[j]
         for t in range(t0, t1, 4):
             if four:
-                _dot4x4_into(wj, xj, t, min(t + 1, last), min(t + 2, last), min(t + 3, last), acc, t - t0)
+                left = t1 - t
+                if left >= 4:
+                    _dot4x4_into(wj, xj, t, t + 1, t + 2, t + 3, acc, t - t0)
+                elif left == 3:
+                    _dot4x3_into(wj, xj, t, t + 1, t + 2, acc, t - t0)
+                elif left == 2:
+                    _dot4x2_into_lanes(wj, xj, t, t + 1, acc, t - t0)
+                else:
+                    _dot4x1_into(wj, xj, t, acc, t - t0)
             else:
                 _dot4x2_into(wj, xj, t, min(t + 1, last), acc, t - t0)
                 if t + 2 < t1:
