@@ -402,8 +402,10 @@ def tierlab_cell(a: argparse.Namespace, s: Setting, model: Path) -> dict:
     dec = tierlab_bench(a, s, model, a.prompt_tokens, a.tokens)
     prefill = {str(n): dec["prefill_tok_s"] if n == a.prompt_tokens else
                tierlab_bench(a, s, model, n, 1)["prefill_tok_s"] for n in a.prefill_tokens}
+    # the threading line says whether the load follower gave a thread up during decode
     return {"decode_tok_s": dec["decode_tok_s"], "prefill_tok_s": prefill, "bandwidth_gbs": dec["bandwidth_gbs"],
-            "bytes_per_token": dec["weight_bytes"]["total"], "ms_per_token": dec["ms_per_token"]}
+            "bytes_per_token": dec["weight_bytes"]["total"], "ms_per_token": dec["ms_per_token"],
+            "threading": dec.get("threading", "")}
 
 
 def llama_cell(a: argparse.Namespace, s: Setting, gguf_path: Path) -> dict:
@@ -453,8 +455,9 @@ def measure_round(a: argparse.Namespace, rnd: int, key: str, paths: dict, cells:
         cells.add(s, res)
         pre = " ".join(f"{n}: {v:.0f}" for n, v in res["prefill_tok_s"].items())
         short = f" ({res['decode_tokens']} tokens)" if res.get("decode_tokens", a.tokens) < a.tokens else ""
+        follow = res.get("threading", "").partition("threads follow the load")[2].strip()
         log(f"{key} #{rnd} {s.engine} [{s.name}] decode {res['decode_tok_s']:.2f} tok/s{short}, prefill {pre}; "
-            f"load {os.getloadavg()[0]:.2f}")
+            f"load {os.getloadavg()[0]:.2f}" + (f"; threads {follow}" if follow else ""))
 
 
 # --------------------------------------------------------------------------- the tables
