@@ -7,28 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tierlab import ASSETS_DIR
-from tierlab.engine.container import convert
 from tierlab.engine.expert_store import ExpertStore
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.model import load_engine
 from tierlab.engine.moe import MoEBlock
 
-SHIPPED = ASSETS_DIR / "tiny-moe"  # 32 experts, top-4, 8 layers
+from prompt_routes import routes_of, shipped_and_int4
+
 WARM = [int(i) for i in np.random.default_rng(21).integers(2, 250, 7)]
 PROMPT = [int(i) for i in np.random.default_rng(22).integers(2, 250, 40)]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trim") / "tiny-moe-q4"
-    convert(SHIPPED, out, bits=4)
-    return {"safetensors": SHIPPED, "int4": out}
-
-
-def routes_of(events) -> list:
-    return [[(r.chosen.tolist(), r.level.tolist(), r.ram_hits, r.ram_misses, r.shadow_ram_hits,
-              r.shadow_ram_misses, r.swaps) for r in e.layers] for e in events]
+    return shipped_and_int4(tmp_path_factory.mktemp("trim"))
 
 
 def counts_of(summary: dict) -> dict:

@@ -8,15 +8,14 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from tierlab import ASSETS_DIR
-from tierlab.engine.container import convert
 from tierlab.engine.expert_store import ExpertStore
 from tierlab.engine.kernels.experts_tokens import few_token_limit
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.model import load_engine
 from tierlab.engine.model_files import open_model_files
 
-SHIPPED = ASSETS_DIR / "tiny-moe"  # 32 experts, top-4, 8 layers
+from prompt_routes import routes_of, shipped_and_int4
+
 WARM = [int(i) for i in np.random.default_rng(11).integers(2, 250, 9)]
 PROMPT = [int(i) for i in np.random.default_rng(12).integers(2, 250, 30)]
 REL = 1e-4
@@ -24,16 +23,7 @@ REL = 1e-4
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """The shipped model as it ships (bf16 safetensors) and as an int4 container."""
-    out = tmp_path_factory.mktemp("stream") / "tiny-moe-q4"
-    convert(SHIPPED, out, bits=4)
-    return {"safetensors": SHIPPED, "int4": out}
-
-
-def routes_of(events) -> list:
-    """What each token's routing decided and met, layer by layer."""
-    return [[(r.chosen.tolist(), r.level.tolist(), r.ram_hits, r.ram_misses, r.shadow_ram_hits,
-              r.shadow_ram_misses, r.swaps) for r in e.layers] for e in events]
+    return shipped_and_int4(tmp_path_factory.mktemp("stream"))
 
 
 def run_prompt(folder, slots: int, knobs: dict, grouped: bool):
