@@ -82,7 +82,7 @@ def test_last_layer_runs_the_last_tokens_experts_only_and_changes_nothing_seen(f
     assert t_n == f_n - len(used) + len(kept)
 
 
-def test_every_tokens_logits_still_compute_every_expert(folders, monkeypatch):
+def test_every_tokens_logits_still_compute_every_expert(folders):
     """With all_logits (teacher-forced NLL, replay) nothing is trimmed: each row's logits are the
     ones the last row gets when it is the prompt's last token."""
     engine = load_engine(folders["int4"], cache_slots=32, knobs=Knobs.from_env({}), warmup=False)

@@ -209,13 +209,19 @@ def _dot4xn_codegen(n):
     return codegen
 
 
+def _dot4xn(n, w4, x, acc, args):
+    """The (signature, codegen) of a pass of four rows by n tokens for these argument types
+    (w4, x, the n token rows, acc, at), or None when they are not float32 C matrices."""
+    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
+        return None
+    return types.none(*args), _dot4xn_codegen(n)
+
+
 @intrinsic
 def _dot4x4_into(typingctx, w4, x, ta, tb, tc, td, acc, at):
     """acc[at + s, k] += row k of w4 [4, n] . row t_s of x [N, n], for the four tokens
     (ta, tb, tc, td); n a multiple of 16, acc [rows, 4]."""
-    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
-        return None
-    return types.none(w4, x, ta, tb, tc, td, acc, at), _dot4xn_codegen(4)
+    return _dot4xn(4, w4, x, acc, (w4, x, ta, tb, tc, td, acc, at))
 
 
 # A pass's last tokens when fewer than four are left: a prompt's expert has any number of tokens,
@@ -227,25 +233,19 @@ def _dot4x4_into(typingctx, w4, x, ta, tb, tc, td, acc, at):
 @intrinsic
 def _dot4x3_into(typingctx, w4, x, ta, tb, tc, acc, at):
     """`_dot4x4_into` for three tokens (acc rows at..at+2, and += 0 into row at+3)."""
-    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
-        return None
-    return types.none(w4, x, ta, tb, tc, acc, at), _dot4xn_codegen(3)
+    return _dot4xn(3, w4, x, acc, (w4, x, ta, tb, tc, acc, at))
 
 
 @intrinsic
 def _dot4x2_into_lanes(typingctx, w4, x, ta, tb, acc, at):
     """`_dot4x4_into` for two tokens (acc rows at, at+1, and += 0 into the next two)."""
-    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
-        return None
-    return types.none(w4, x, ta, tb, acc, at), _dot4xn_codegen(2)
+    return _dot4xn(2, w4, x, acc, (w4, x, ta, tb, acc, at))
 
 
 @intrinsic
 def _dot4x1_into(typingctx, w4, x, ta, acc, at):
     """`_dot4x4_into` for one token (acc row at, and += 0 into the next three)."""
-    if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
-        return None
-    return types.none(w4, x, ta, acc, at), _dot4xn_codegen(1)
+    return _dot4xn(1, w4, x, acc, (w4, x, ta, acc, at))
 
 
 @intrinsic
