@@ -4,8 +4,10 @@ Shared by both architectures: Qwen3-MoE uses plain norms and no output
 gate; Qwen3.5/3.6 uses zero-centred norms and a per-head sigmoid gate that
 rides along in q_proj (per head: query(d) | gate(d)).
 
-A prompt's attention runs through the token-by-token kernel `dense.attention`,
-as decode does, so a prompt gets decode's bits in this part.
+Decode's attention is the token-by-token kernel `dense.attention`; a prompt's
+runs in tiles of four heads by four keys (`prompt_attention.attention_tiles`,
+about three times faster at 512 tokens), or with PREFILL_EXACT through
+decode's kernel, so that a prompt gets decode's bits.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace
+from tierlab.engine.kernels.prompt_attention import attention_tiles
 
 
 class KVCache:
@@ -75,8 +78,8 @@ class Attention:
         return KVCache(self.cfg.n_kv_heads, self.cfg.head_dim)
 
     def forward(self, x: np.ndarray, start: int, cache: KVCache, exact: bool = False) -> np.ndarray:
-        """x: normed hidden states [T, H] at positions start..start+T-1; `exact` (PREFILL_EXACT)
-        is the mixers' common argument: attention gives a prompt decode's bits either way."""
+        """x: normed hidden states [T, H] at positions start..start+T-1; `exact` (PREFILL_EXACT):
+        a prompt's attention by decode's token-by-token kernel, so that it gets decode's bits."""
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -101,7 +104,8 @@ class Attention:
         cache.k[:, start:start + T] = k.transpose(1, 0, 2)
         cache.v[:, start:start + T] = v.transpose(1, 0, 2)
         out = np.empty((T, nh, d), dtype=np.float32)
-        attention(q, cache.k, cache.v, start, out)
+        tiled = T > 1 and not exact and d % 16 == 0
+        (attention_tiles if tiled else attention)(q, cache.k, cache.v, start, out)
         out = out.reshape(T, nh * d)
         if gate is not None:
             out = out * (1.0 / (1.0 + np.exp(-gate)))
