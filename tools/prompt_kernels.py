@@ -3,7 +3,7 @@
 
 Why: a prompt's time is in three kinds of kernel calls (the dense projections'
 `qmatmat.matmat_*`, the routed experts' `experts_gate_up` / `experts_down`, and
-`dense.attention`); this times each alone at the shapes of Qwen3.6-35B-A3B
+the attention, `prompt_attention.attention_tiles`); this times each alone at the shapes of Qwen3.6-35B-A3B
 (hidden 2048, experts 512 wide, 16 query / 2 key-value heads of 256) on random
 weights, so that a kernel change can be compared in interleaved fresh processes
 of two checkouts without the rest of a prefill's noise:
@@ -18,7 +18,8 @@ matrix that do not fit in the last-level cache, GMAC/s); `experts KIND
 gate_up|down` (64 experts, 128 tokens routed top-8 at random, or unevenly with
 `--skew`; GMAC/s of the launch, work items dealt round-robin to the threads or, `--deals
 halves`, each thread a contiguous half; with --from-cache also with all 64 on one cache-resident blob); `attention
-T=n` (a causal prompt of n tokens, ms), `attention decode at N` (one token over N
+T=n` (a causal prompt of n tokens, ms: the tiled kernel a prompt runs, then decode's
+token-by-token kernel that PREFILL_EXACT runs), `attention decode at N` (one token over N
 cached positions, us) and `deltanet T=n` (`deltanet_prompt.gated_deltanet_prompt`, the
 prompt's Gated DeltaNet between its projections: 16 key / 32 value heads of 128, ms).
 `--parts` picks the lines (default all). Threads: numba's (NUMBA_NUM_THREADS).
@@ -39,6 +40,7 @@ from tierlab.engine.blob_layout import blob_nbytes
 from tierlab.engine.kernels import qmatmat
 from tierlab.engine.kernels.dense import attention
 from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
+from tierlab.engine.kernels.prompt_attention import attention_tiles
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 64, 8
 Q_HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
@@ -148,8 +150,9 @@ def attention_lines(lengths: list[int], decode_at: int, rng) -> list[str]:
     for n in lengths:
         q = rng.standard_normal((n, Q_HEADS, HEAD_DIM), dtype=np.float32)
         out = np.empty_like(q)
-        t = median_s(lambda: attention(q, k, v, 0, out), 5)
-        lines.append(f"attention T={n}: {1e3 * t:.1f} ms")
+        t = median_s(lambda: attention_tiles(q, k, v, 0, out), 5)
+        exact = median_s(lambda: attention(q, k, v, 0, out), 5)
+        lines.append(f"attention T={n}: {1e3 * t:.1f} ms tiled, {1e3 * exact:.1f} ms token by token (PREFILL_EXACT)")
     q = rng.standard_normal((1, Q_HEADS, HEAD_DIM), dtype=np.float32)
     out = np.empty_like(q)
     t = median_s(lambda: attention(q, k, v, decode_at, out), 200)
