@@ -5,23 +5,9 @@ import numba
 import numpy as np
 import pytest
 
+from test_attention_kernel import _reference
 from tierlab.engine.kernels.dense import attention
 from tierlab.engine.kernels.prompt_attention import attention_tiles
-
-
-def _reference(q, k_cache, v_cache, start):
-    """Causal GQA attention in float64 (numpy), the definition both kernels compute."""
-    t_count, n_heads, d = q.shape
-    group = n_heads // k_cache.shape[0]
-    out = np.empty(q.shape, dtype=np.float64)
-    for t in range(t_count):
-        length = start + t + 1
-        for h in range(n_heads):
-            keys = k_cache[h // group, :length].astype(np.float64)
-            s = keys @ q[t, h].astype(np.float64) / np.sqrt(d)
-            p = np.exp(s - s.max())
-            out[t, h] = (p / p.sum()) @ v_cache[h // group, :length].astype(np.float64)
-    return out
 
 
 def _case(rng, t_count, start, n_heads, n_kv, d, capacity):

@@ -125,7 +125,7 @@ def _weighted_rows_into(p, v, n, acc):
 def _scores_into(keys, pad, qt, h0, heads, length, scores):
     """scores[b, s, k] = head h0+s of qt [Hq, d] . key 4b+k of keys [maxT, d], for keys < length
     rounded up to four (a block past the cache's rows is read from `pad`, zeros past its end)."""
-    scores[:] = 0.0
+    scores[:(length + 3) // 4] = 0.0  # the passes add into it; blocks past length go unread
     rows = keys.shape[0]
     for b in range((length + 3) // 4):
         j = 4 * b
