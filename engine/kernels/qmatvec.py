@@ -268,24 +268,12 @@ def _counted_loop(builder, count, inits, body):
     return finals
 
 
-def _host_cpu_name() -> str:
-    """LLVM's name of this machine's CPU ("znver4", "sapphirerapids", ...); "" for a portable build."""
-    from numba.core import config
-    from llvmlite import binding
-
-    if config.CPU_NAME or config.CPU_FEATURES:
-        return ""
-    try:
-        return binding.get_host_cpu_name()
-    except RuntimeError:
-        return ""
-
-
-# The prefetches' target: on AMD Zen cores into L2 (`prefetcht1`, LLVM locality 2): a
-# `prefetcht0` of every line there left bf16, int8 and fp32 rows reading from DRAM at
-# half the rate or less, most at 2048x512 (docs/benchmarks.md, Kernels). Other CPUs keep
-# L1 (`prefetcht0`, locality 3), as tuned on Intel.
-_PREFETCH_LOCALITY = 2 if _host_cpu_name().startswith("znver") else 3
+# The prefetches' target: L2 (`prefetcht1`, LLVM locality 2) on every CPU. On AMD Zen
+# cores a `prefetcht0` (into L1) of every line left bf16, int8 and fp32 rows reading
+# from DRAM at half the rate or less, most at 2048x512; on a Xeon with AMX (which LLVM
+# names "rocketlake" in its VM) L2 read int4 and int8 rows 5-9% faster than L1 and
+# decoded int4 + dense int4 5% faster (docs/benchmarks.md, Kernels).
+_PREFETCH_LOCALITY = 2
 
 
 def _prefetch(builder, ptr, offset):
