@@ -63,6 +63,7 @@ from tierlab.engine.events import LEVEL_GPU
 from tierlab.engine.kernels.experts_tokens import experts_tokens, few_token_limit
 from tierlab.engine.kernels.qmatmat import expert_matmat, experts_matmat
 from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward
+from tierlab.engine.kernels.slot_claims import claim_resident, release_slots
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.tiers.opencl_tier import TierFailure
 
@@ -201,6 +202,7 @@ class ExpertStore:
         self._resizing = 0  # set_slots calls waiting for the slots to drain: prefetch holds off
         self._streaming: set[int] = set()  # layers a prompt streams (`begin_prompt`): prefetch holds off
         self._scratch: list[np.ndarray] = []  # buffers for a prompt's experts that leave no slot
+        self._row_ids: dict[int, np.ndarray] = {}  # `_rows`' arrays
         self._clock = 0
         self._hits = np.zeros(n_layers, dtype=np.int64)
         self._misses = np.zeros(n_layers, dtype=np.int64)
@@ -392,9 +394,13 @@ class ExpertStore:
         """
         K = chosen.shape[0]
         source = self._source
+        tier = self._tier
+        if tier is None and K > 1:
+            shadow = self._compute_resident(layer, chosen, x, outputs, timers, stock)
+            if shadow is not False:
+                return K, 0, [], shadow
         hits = misses = 0
         on_gpu: list[int] = []
-        tier = self._tier
         ids = chosen.tolist()  # Python ints: the bookkeeping below reads each id several times
         where = {}
         if stock_outside(stock, ids):
@@ -475,6 +481,44 @@ class ExpertStore:
                     realised[int(chosen[s])] = LEVEL_GPU
         shadow = count_shadow(stock, where, realised) if stock is not None else None
         return hits, misses, on_gpu, shadow
+
+    def _compute_resident(self, layer: int, chosen: np.ndarray, x: np.ndarray, outputs: np.ndarray,
+                          timers: dict, stock: np.ndarray | None) -> Shadow | None | bool:
+        """`compute` for a token whose experts are all ready in RAM slots (a warm chat's
+        usual token), with the bookkeeping compiled (`slot_claims`): the same holds, LRU
+        stamps and hit counts as `acquire` and `release`, one launch pair for the experts.
+        Returns the shadow counts (None without `stock`), or False, having changed nothing,
+        when an expert is not ready (the caller takes the general path)."""
+        st = self._layers[layer]
+        experts = np.ascontiguousarray(chosen, dtype=np.int64)
+        slots = np.empty(experts.shape[0], dtype=np.int64)
+        with self._cond:
+            clock = claim_resident(st["slot_of"], st["loading"], st["pf_pass"], st["busy"], st["last"], experts,
+                                   self._clock, slots)
+            if clock < 0:
+                return False
+            self._clock = clock
+            self._hits[layer] += experts.shape[0]
+            ids = chosen.tolist()
+            where = self._where(layer, stock, None) if stock_outside(stock, ids) else {}
+        try:
+            t0 = time.perf_counter()
+            source = self._source
+            experts_forward(source.kind, st["store"], slots, source.hidden, source.inter, x, outputs,
+                            self._rows(experts.shape[0]))
+            timers["compute"] += time.perf_counter() - t0
+        finally:
+            with self._cond:
+                release_slots(st["busy"], slots)
+                self._cond.notify_all()
+        return count_shadow(stock, where, dict.fromkeys(ids, 1)) if stock is not None else None
+
+    def _rows(self, n: int) -> np.ndarray:
+        """0..n-1 as int64 (a token's output rows), made once per n."""
+        rows = self._row_ids.get(n)
+        if rows is None:
+            rows = self._row_ids[n] = np.arange(n, dtype=np.int64)
+        return rows
 
     def forward_tokens(self, blob: np.ndarray, xs: np.ndarray, exact: bool = False) -> np.ndarray:
         """One expert (a RAM blob from `blob`) on several tokens at once: float32[T, H], by

@@ -213,6 +213,9 @@ def _softplus(v):
     return np.float32(math.log1p(math.exp(v)))
 
 
+_CONV_CHANNELS = 512  # channels per parallel step of a decoded token's conv
+
+
 @njit(nogil=True, fastmath=True, cache=True, parallel=True)
 def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, eps,
                    state, k_heads, v_heads, dk, dv, out):
@@ -224,6 +227,9 @@ def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, e
     z: [T, v_heads*dv]; b, a: [T, v_heads]
     state: [v_heads, dk, dv] float32 recurrent state
     out: [T, v_heads*dv] gated-normed output before out_proj
+
+    The conv runs on all threads too: its SiLU is a scalar expf per channel, which on one
+    thread took a quarter of a decoded token's kernel (docs/benchmarks.md, Decode).
     """
     t_count, channels = mixed.shape
     key_dim = k_heads * dk
@@ -232,7 +238,10 @@ def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, e
     q = np.empty((k_heads, dk), dtype=np.float32)
     k = np.empty((k_heads, dk), dtype=np.float32)
     for t in range(t_count):
-        deltanet_token_inputs(t, mixed, conv_state, conv_w, k_heads, dk, conv_out, q, k)
+        for blk in prange((channels + _CONV_CHANNELS - 1) // _CONV_CHANNELS):
+            deltanet_conv(t, blk * _CONV_CHANNELS, min(channels, (blk + 1) * _CONV_CHANNELS), mixed, conv_state,
+                          conv_w, conv_out)
+        deltanet_qk(conv_out, k_heads, dk, q, k)
         for hv in prange(v_heads):  # value heads are independent given q and k
             deltanet_head(hv, hv // ratio, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state,
                           2 * key_dim + hv * dv, dv, out)
@@ -241,23 +250,35 @@ def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, e
 @njit(nogil=True, fastmath=True, cache=True)
 def deltanet_token_inputs(t, mixed, conv_state, conv_w, k_heads, dk, conv_out, q, k):
     """Token t's conv output (depthwise causal conv then SiLU; conv_state moves on by one input)
-    and its L2-normalised q (scaled by 1/sqrt(dk)) and k per key head."""
-    channels = mixed.shape[1]
+    and its L2-normalised q (scaled by 1/sqrt(dk)) and k per key head, on one thread."""
+    deltanet_conv(t, 0, mixed.shape[1], mixed, conv_state, conv_w, conv_out)
+    deltanet_qk(conv_out, k_heads, dk, q, k)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def deltanet_conv(t, c0, c1, mixed, conv_state, conv_w, conv_out):
+    """Channels c0..c1-1 of token t's conv output (depthwise causal conv then SiLU); their
+    conv_state moves on by one input. Channels are independent, so threads may share them."""
     ksize = conv_w.shape[1]
-    key_dim = k_heads * dk
-    q_scale = np.float32(1.0 / math.sqrt(dk))
-    for c in range(channels):
+    for c in range(c0, c1):
         acc = np.float32(0.0)
         for j in range(ksize - 1):
             acc += conv_w[c, j] * conv_state[j, c]
         acc += conv_w[c, ksize - 1] * mixed[t, c]
         conv_out[c] = acc / (np.float32(1.0) + np.float32(math.exp(-acc)))
     for j in range(ksize - 2):
-        for c in range(channels):
+        for c in range(c0, c1):
             conv_state[j, c] = conv_state[j + 1, c]
     if ksize > 1:
-        for c in range(channels):
+        for c in range(c0, c1):
             conv_state[ksize - 2, c] = mixed[t, c]
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def deltanet_qk(conv_out, k_heads, dk, q, k):
+    """The L2-normalised q (scaled by 1/sqrt(dk)) and k of each key head, from the conv output."""
+    key_dim = k_heads * dk
+    q_scale = np.float32(1.0 / math.sqrt(dk))
     for hk in range(k_heads):
         sq = np.float32(0.0)
         sk = np.float32(0.0)
