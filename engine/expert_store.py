@@ -62,7 +62,7 @@ from tierlab.engine.errors import TierlabError
 from tierlab.engine.events import LEVEL_GPU
 from tierlab.engine.kernels.experts_tokens import experts_tokens, few_token_limit
 from tierlab.engine.kernels.qmatmat import expert_matmat, experts_matmat
-from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward
+from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward, experts_forward_trusted
 from tierlab.engine.kernels.slot_claims import claim_resident, release_slots
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.tiers.opencl_tier import TierFailure
@@ -388,7 +388,9 @@ class ExpertStore:
         GPU-resident experts run on the device while the CPU computes the rest from RAM: the
         RAM-resident ones in one launch pair for all of them (`experts_forward`), while the
         token's misses after the first are read in the background, then the misses one by
-        one. Adds to timers "fetch", "compute" and "tier". Returns (RAM hits, RAM misses, the
+        one (a token whose experts are all resident, a warm chat's usual token, takes
+        `_compute_resident`: the same steps, compiled). Adds to timers "fetch", "compute" and
+        "tier". Returns (RAM hits, RAM misses, the
         slots the device computed, the shadow counts of `stock` — the router's stock top-K —
         or None without one).
         """
@@ -489,6 +491,10 @@ class ExpertStore:
         stamps and hit counts as `acquire` and `release`, one launch pair for the experts.
         Returns the shadow counts (None without `stock`), or False, having changed nothing,
         when an expert is not ready (the caller takes the general path)."""
+        source = self._source
+        if not (outputs.dtype == np.float32 and outputs.flags.c_contiguous and x.shape == (source.hidden,)
+                and outputs.shape == (chosen.shape[0], source.hidden)):
+            return False  # the general path's checks name what is wrong
         st = self._layers[layer]
         experts = np.ascontiguousarray(chosen, dtype=np.int64)
         slots = np.empty(experts.shape[0], dtype=np.int64)
@@ -503,9 +509,8 @@ class ExpertStore:
             where = self._where(layer, stock, None) if stock_outside(stock, ids) else {}
         try:
             t0 = time.perf_counter()
-            source = self._source
-            experts_forward(source.kind, st["store"], slots, source.hidden, source.inter, x, outputs,
-                            self._rows(experts.shape[0]))
+            experts_forward_trusted(source.kind, st["store"], slots, source.hidden, source.inter, x, outputs,
+                                    self._rows(experts.shape[0]))
             timers["compute"] += time.perf_counter() - t0
         finally:
             with self._cond:
