@@ -160,6 +160,9 @@ class HeldExperts:
         return not self.plan[i][2]
 
 
+#: no expert ids (`_compute_resident` without a stock top-K)
+_NO_EXPERTS = np.empty(0, dtype=np.int64)
+
 #: a streamed prompt's reads in flight or done ahead of the expert being computed
 PROMPT_READS_AHEAD = 4
 
@@ -498,15 +501,15 @@ class ExpertStore:
         st = self._layers[layer]
         experts = np.ascontiguousarray(chosen, dtype=np.int64)
         slots = np.empty(experts.shape[0], dtype=np.int64)
+        shadow = np.empty(2, dtype=np.int64)
+        stock_ids = _NO_EXPERTS if stock is None else np.ascontiguousarray(stock, dtype=np.int64)
         with self._cond:
             clock = claim_resident(st["slot_of"], st["loading"], st["pf_pass"], st["busy"], st["last"], experts,
-                                   self._clock, slots)
+                                   self._clock, slots, stock_ids, shadow)
             if clock < 0:
                 return False
             self._clock = clock
             self._hits[layer] += experts.shape[0]
-            ids = chosen.tolist()
-            where = self._where(layer, stock, None) if stock_outside(stock, ids) else {}
         try:
             t0 = time.perf_counter()
             experts_forward_trusted(source.kind, st["store"], slots, source.hidden, source.inter, x, outputs,
@@ -516,7 +519,7 @@ class ExpertStore:
             with self._cond:
                 release_slots(st["busy"], slots)
                 self._cond.notify_all()
-        return count_shadow(stock, where, dict.fromkeys(ids, 1)) if stock is not None else None
+        return None if stock is None else Shadow(ram_hits=int(shadow[0]), ram_misses=int(shadow[1]), vram=0)
 
     def _rows(self, n: int) -> np.ndarray:
         """0..n-1 as int64 (a token's output rows), made once per n."""

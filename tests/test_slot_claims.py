@@ -69,14 +69,18 @@ def test_claim_resident_refuses_and_changes_nothing():
     busy = np.zeros(3, dtype=np.int64)
     last = np.array([5, 6, 7], dtype=np.int64)
     out = np.empty(2, dtype=np.int64)
+    none, shadow = np.empty(0, dtype=np.int64), np.empty(2, dtype=np.int64)
     for experts in ([0, 2], [0, 3], [1, 1], [-1, 0], [0, 4]):
-        assert claim_resident(slot_of, loading, pf_pass, busy, last, np.array(experts, dtype=np.int64), 9, out) == -1
+        assert claim_resident(slot_of, loading, pf_pass, busy, last, np.array(experts, dtype=np.int64), 9, out, none, shadow) == -1
         assert busy.tolist() == [0, 0, 0] and last.tolist() == [5, 6, 7]
     pf_pass[1] = 3
-    assert claim_resident(slot_of, loading, pf_pass, busy, last, np.array([0, 1], dtype=np.int64), 9, out) == -1
+    assert claim_resident(slot_of, loading, pf_pass, busy, last, np.array([0, 1], dtype=np.int64), 9, out, none, shadow) == -1
     pf_pass[1] = -1
-    assert claim_resident(slot_of, loading, pf_pass, busy, last, np.array([1, 0], dtype=np.int64), 9, out) == 11
+    stock = np.array([3, 2, -1, 1], dtype=np.int64)  # 3 and 1 held (3 not chosen), 2 on disk, -1 no expert
+    assert claim_resident(slot_of, loading, pf_pass, busy, last, np.array([1, 0], dtype=np.int64), 9, out, stock,
+                          shadow) == 11
     assert out.tolist() == [1, 0] and busy.tolist() == [1, 1, 0] and last.tolist() == [11, 10, 7]
+    assert shadow.tolist() == [2, 1]
     release_slots(busy, out)
     release_slots(busy, out)  # never below zero
     assert busy.tolist() == [0, 0, 0]

@@ -14,7 +14,7 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def claim_resident(slot_of, loading, pf_pass, busy, last, experts, clock, slots):
+def claim_resident(slot_of, loading, pf_pass, busy, last, experts, clock, slots, stock, shadow):
     """Hold the slots of `experts` if every one of them is ready in a slot.
 
     Ready: a distinct expert id >= 0 whose slot has finished loading and holds no PILOT
@@ -23,6 +23,10 @@ def claim_resident(slot_of, loading, pf_pass, busy, last, experts, clock, slots)
     stamp is the next tick of `clock`, as `ExpertStore._take` does for a hit; the slots
     are written into `slots` and the new clock returned. Otherwise nothing changes and
     the result is -1.
+
+    `stock` (the router's stock top-K; may be empty) gets its shadow counts in `shadow`:
+    [0] the experts a RAM slot holds or loads (the chosen ones among them), [1] the others,
+    as `expert_store.count_shadow` counts them without a GPU tier.
     """
     n = experts.shape[0]
     for i in range(n):
@@ -41,6 +45,15 @@ def claim_resident(slot_of, loading, pf_pass, busy, last, experts, clock, slots)
         busy[s] += 1
         clock += 1
         last[s] = clock
+    shadow[0] = 0
+    shadow[1] = 0
+    for i in range(stock.shape[0]):
+        e = stock[i]
+        if e >= 0:
+            if e < slot_of.shape[0] and slot_of[e] >= 0:
+                shadow[0] += 1
+            else:
+                shadow[1] += 1
     return clock
 
 
