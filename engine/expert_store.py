@@ -498,12 +498,12 @@ class ExpertStore:
         if not (outputs.dtype == np.float32 and outputs.flags.c_contiguous and x.shape == (source.hidden,)
                 and outputs.shape == (chosen.shape[0], source.hidden)):
             return False  # the general path's checks name what is wrong
-        st = self._layers[layer]
         experts = np.ascontiguousarray(chosen, dtype=np.int64)
         slots = np.empty(experts.shape[0], dtype=np.int64)
         shadow = np.empty(2, dtype=np.int64)
         stock_ids = _NO_EXPERTS if stock is None else np.ascontiguousarray(stock, dtype=np.int64)
         with self._cond:
+            st = self._layers[layer]  # under the lock: set_slots may replace the layer until then
             clock = claim_resident(st["slot_of"], st["loading"], st["pf_pass"], st["busy"], st["last"], experts,
                                    self._clock, slots, stock_ids, shadow)
             if clock < 0:

@@ -1265,10 +1265,10 @@ def experts_forward(kind: str, store: np.ndarray, slots: np.ndarray, hidden: int
 
 def experts_forward_trusted(kind: str, store: np.ndarray, slots: np.ndarray, hidden: int, inter: int, x: np.ndarray,
                             out: np.ndarray, out_rows: np.ndarray) -> None:
-    """`experts_forward` for operands already known to be what it checks: int64 slots and
-    distinct out_rows in range, a C uint8 store of whole blobs, C float32 out [rows, hidden],
-    x [hidden]. The expert store's own slots for a decoded token are (its resident path),
-    and in a warm chat that is every layer of every token, where the checks cost microseconds."""
+    """`experts_forward` without its checks, for operands known to pass them (int64 slots
+    and distinct out_rows in range, a C uint8 store of whole blobs, C float32 out [rows,
+    hidden], x [hidden]): the expert store's resident path with its own slots, on every
+    layer of a warm chat's tokens, where the checks cost microseconds."""
     marker = _WEIGHT_MARKER[kind]
     h = np.empty((slots.shape[0], inter), np.float32)
     x = _f32(x)
