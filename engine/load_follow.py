@@ -21,7 +21,10 @@ import math
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+
+from tierlab.engine.gomp_waits import ShortWaits
 
 #: seconds of wall time between two readings of the load
 SAMPLE_S = 0.25
@@ -82,6 +85,8 @@ class LoadFollower:
         self._lock = threading.Lock()
         self._last = self._reading() if enabled else None
         self.enabled = enabled and self._last is not None and self.max_threads > 1
+        self._prompts = 0  # prompts running now, in any thread
+        self.short_waits = ShortWaits(len(self.cpus), self.max_threads) if self.enabled else None
 
     def _reading(self) -> tuple[float, int, float] | None:
         try:
@@ -117,15 +122,43 @@ class LoadFollower:
             return self.threads
 
     def follow(self) -> None:
-        """Before a launch: this thread's numba thread count set to the current one."""
+        """Before a launch: this thread's numba thread count set to the current one (in a
+        prompt under load, every thread with short waits: `prompt`)."""
         if not self.enabled:
             return
         n = self.update()
+        if n < self.max_threads and getattr(self._applied, "prompt", False) and self.short_waits.engage():
+            n = self.max_threads
         if getattr(self._applied, "n", None) != n:
             import numba
 
             numba.set_num_threads(n)
             self._applied.n = n
+
+    @contextmanager
+    def prompt(self):
+        """While this thread runs a prompt: under load, every thread, with libgomp's waits short.
+
+        Why: a prompt's launches are long and few, so a spinning pool gains nothing there,
+        and one thread fewer leaves a core's share unused; every thread with waits that
+        sleep at once takes the share PASSIVE takes (docs/engine.md, "Threads"). Decode's
+        short launches keep the spin and the followed count. The short waits end with the
+        last prompt running in the process."""
+        if not self.enabled:
+            yield
+            return
+        with self._lock:
+            self._prompts += 1
+        self._applied.prompt = True
+        try:
+            yield
+        finally:
+            self._applied.prompt = False
+            with self._lock:
+                self._prompts -= 1
+                last = self._prompts == 0
+            if last:
+                self.short_waits.release()
 
     def describe(self) -> str:
         """Where the count stands, for reports ("" when it does not follow the load)."""

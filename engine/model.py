@@ -287,7 +287,9 @@ class Engine:
         with self._lock:
             if ids.size == 1:
                 return self._forward(ids, all_logits, phase or "decode")
-            with prompt_heap():  # a prompt's large temporaries reuse the previous layer's pages
+            # a prompt's large temporaries reuse the previous layer's pages; under load it runs
+            # every thread with short waits (LoadFollower.prompt)
+            with prompt_heap(), self.threads.prompt():
                 return self._forward(ids, all_logits, phase or "prefill")
 
     def _forward(self, ids: np.ndarray, all_logits: bool, phase: str) -> np.ndarray:

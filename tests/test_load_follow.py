@@ -80,6 +80,35 @@ def test_without_a_line_for_each_cpu_the_threads_stay_fixed(tmp_path):
     assert not LoadFollower(1, {0}).enabled  # one thread: nothing to follow
 
 
+def test_a_prompt_under_load_runs_every_thread_with_short_waits(tmp_path):
+    m = FakeMachine(tmp_path / "stat")
+    f = m.follower()
+    m.run(1.0, ours=1.0, others=1.0)  # another process holds a CPU
+    try:
+        f.follow()
+        assert numba.get_num_threads() == 1 and not f.short_waits.engaged  # decode: one thread, the spin
+        with f.prompt():
+            f.follow()
+            assert numba.get_num_threads() == 2 and f.short_waits.engaged
+        assert not f.short_waits.engaged  # released with the last prompt
+        f.follow()
+        assert numba.get_num_threads() == 1
+        m.run(1.0, ours=2.0, others=0.0)  # quiet again
+        with f.prompt():
+            f.follow()
+            assert numba.get_num_threads() == 2 and not f.short_waits.engaged  # quiet prompts keep the spin
+    finally:
+        f.short_waits.release()
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_without_the_follower_a_prompt_changes_nothing(tmp_path):
+    f = LoadFollower(2, {0, 1}, enabled=False)
+    with f.prompt():
+        f.follow()
+    assert f.short_waits is None
+
+
 def test_the_real_proc_stat_sees_another_process_burn_cpu():
     """On this machine: what a child burns shows up as the others' load (at least most of it;
     anything else running only adds)."""
@@ -112,6 +141,8 @@ def test_the_engine_runs_with_the_followers_count_and_the_logits_do_not_change(t
         engine.reset()
         busy = [engine.prefill(prompt)] + [engine.step(5 + i) for i in range(6)]
         assert numba.get_num_threads() == 1
+        # the prompt ran every thread with short waits, released before decode
+        assert engine.threads.short_waits.engagements == 1 and not engine.threads.short_waits.engaged
         for a, b in zip(quiet, busy):
             np.testing.assert_array_equal(a, b)
     finally:

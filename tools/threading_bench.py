@@ -8,6 +8,7 @@ policies so that drift in the machine's load hits all of them alike.
 
     .venv/bin/python tools/threading_bench.py --model DIR [--rounds 3] [--tokens 64]
         [--prompt-tokens 32] [--policies default,active,...] [--conditions quiet,loaded]
+        [--tree LABEL=DIR ...]
 
 Below the table it prints how far the default is from the best fixed policy
 in each column (the issue's "within 5%" quiet, "no worse than PASSIVE"
@@ -56,9 +57,10 @@ def medians(rows: dict) -> dict:
 
 
 def gap_lines(med: dict, keys: list, conds: list) -> list:
-    """How far the default's median is behind the best fixed policy, per column."""
+    """How far the default's median is behind the best fixed policy, per column (another
+    tree's default is no fixed policy: it is only printed)."""
     out = []
-    fixed = [k for k in keys if k != "default"]
+    fixed = [k for k in keys if k != "default" and k in POLICIES]
     if "default" not in keys or not fixed:
         return out
     for cond in conds:
@@ -69,6 +71,8 @@ def gap_lines(med: dict, keys: list, conds: list) -> list:
             line = f"{cond} {what}: default {col['default']:.1f}, best fixed {POLICIES[best][0]} {col[best]:.1f} ({gap:+.1f}%)"
             if "passive" in keys:
                 line += f"; PASSIVE {col['passive']:.1f}"
+            for tree in (k for k in keys if k not in POLICIES):
+                line += f"; tree {tree} {col[tree]:.1f}"
             out.append(line)
     return out
 
@@ -81,20 +85,34 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--policies", default=_DEFAULT_SET, help=f"comma-separated, of {','.join(POLICIES)}")
     p.add_argument("--conditions", default="quiet,loaded")
+    p.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
+                   help="also run the default of another tree of tierlab, interleaved with the policies: DIR holds "
+                        "its package as DIR/tierlab (`git archive REV --prefix=tierlab/ | tar x -C DIR`) and gets "
+                        "its own numba cache in DIR/.numba_cache")
     a = p.parse_args()
     keys = [k.strip() for k in a.policies.split(",") if k.strip()]
     conds = [c.strip() for c in a.conditions.split(",") if c.strip()]
     bad = [k for k in keys if k not in POLICIES] + [c for c in conds if c not in ("quiet", "loaded")]
     if bad:
         p.error(f"unknown policy or condition: {', '.join(bad)}")
+    policies = dict(POLICIES)
+    for spec in a.tree:
+        label, _, tree = spec.partition("=")
+        if not label or not os.path.isdir(os.path.join(tree, "tierlab")):
+            p.error(f"--tree {spec}: want LABEL=DIR with DIR/tierlab a tree of the package")
+        policies[label] = (f"tierlab default, tree {label}",
+                           {"PYTHONPATH": tree, "NUMBA_CACHE_DIR": os.path.join(tree, ".numba_cache")})
+        keys.append(label)
     rows = {(k, cond): [] for k in keys for cond in conds}
     run_once(a.model, 4, 4, {})  # compile once
+    for label in a.tree:
+        run_once(a.model, 4, 4, policies[label.partition("=")[0]][1])
     for cond in conds:
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if cond == "loaded" else None
         try:
             for r in range(a.rounds):
                 for k in keys:
-                    d = run_once(a.model, a.tokens, a.prompt_tokens, POLICIES[k][1])
+                    d = run_once(a.model, a.tokens, a.prompt_tokens, policies[k][1])
                     rows[(k, cond)].append((d["decode_tok_s"], d["prefill_tok_s"]))
                     print(f"  {cond} round {r + 1} {k}: decode {d['decode_tok_s']:.1f} prefill {d['prefill_tok_s']:.1f}", file=sys.stderr)
         finally:
@@ -106,7 +124,7 @@ def main() -> int:
     med = medians(rows)
     for k in keys:
         cells = [f"{v:.1f}" for cond in conds for v in med[(k, cond)]]
-        print(f"| {POLICIES[k][0]} | " + " | ".join(cells) + " |")
+        print(f"| {policies[k][0]} | " + " | ".join(cells) + " |")
     for line in gap_lines(med, keys, conds):
         print(line)
     return 0
