@@ -10,7 +10,9 @@ worker that is not running.
 
 The load is measured, not guessed: over each interval of at least SAMPLE_S of wall time,
 the busy time of the CPUs this process may run on (/proc/stat, steal included) minus this
-process's own CPU time is what the other processes used. The kernels' results do not
+process's own CPU time is what the other processes used. A prompt is the exception
+(`LoadFollower.prompt`): under load it runs every thread with libgomp's waits made short
+(engine/gomp_waits.py), as PASSIVE would. The kernels' results do not
 depend on the thread count (tests/test_load_follow.py), so following the load changes
 the speed only, never a logit.
 """
