@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import os
 
-# OpenMP wait policy (passive, with a short spin): set in tierlab/__init__.py,
-# which runs before this module is imported, i.e. before numba's pool starts.
+# numba's thread pool and how its workers wait: chosen in tierlab/__init__.py
+# (engine/threading_layer.py), which runs before this module is imported, i.e.
+# before numba's pool starts.
 
 import numpy as np
 from llvmlite import ir
