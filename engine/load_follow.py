@@ -166,7 +166,9 @@ class LoadFollower:
         """Where the count stands, for reports ("" when it does not follow the load)."""
         if not self.enabled:
             return ""
-        return f"{self.threads} of {self.max_threads} now, {self.switches} changes"
+        line = f"{self.threads} of {self.max_threads} now, {self.switches} changes"
+        engaged = self.short_waits.engagements
+        return line + (f", short waits in {engaged} prompt{'s' if engaged > 1 else ''}" if engaged else "")
 
 
 _PROCESS: LoadFollower | None = None

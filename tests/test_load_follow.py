@@ -91,6 +91,7 @@ def test_a_prompt_under_load_runs_every_thread_with_short_waits(tmp_path):
             f.follow()
             assert numba.get_num_threads() == 2 and f.short_waits.engaged
         assert not f.short_waits.engaged  # released with the last prompt
+        assert f.describe().endswith("short waits in 1 prompt")
         f.follow()
         assert numba.get_num_threads() == 1
         m.run(1.0, ours=2.0, others=0.0)  # quiet again
