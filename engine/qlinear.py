@@ -106,6 +106,8 @@ class RowStack:
     def __init__(self, parts: list) -> None:
         self.parts = parts
         self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        # a token's product in one launch (qmatvec.matvec_stack) where the parts allow it
+        self.one_launch = qmatvec.stack_parts(parts)
 
     @property
     def nbytes(self) -> int:

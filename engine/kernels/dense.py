@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 from tierlab.engine.kernels.fastexp import FAST_EXACT
 from tierlab.engine.kernels.qmatmat import matmat_bf16
 from tierlab.engine.kernels.qmatvec import (_I32, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, matvec_bf16,
-                                            matvec_fp32)
+                                            matvec_fp32, matvec_stack)
 from tierlab.engine.qlinear import QuantMatrix, RowStack, qlinear
 
 def matvec(w, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -52,6 +52,10 @@ def linear(w, x: np.ndarray) -> np.ndarray:
     if isinstance(w, QuantMatrix):
         return qlinear(w, x)
     if isinstance(w, RowStack):
+        if w.one_launch is not None and (x.ndim == 1 or x.shape[0] == 1):
+            out = np.empty(w.shape[0], dtype=np.float32)
+            matvec_stack(*w.one_launch, np.ascontiguousarray(x.reshape(-1), dtype=np.float32), out)
+            return out if x.ndim == 1 else out[None, :]
         return np.concatenate([linear(p, x) for p in w.parts], axis=-1)
     if x.ndim == 1:
         return matvec(w, x)

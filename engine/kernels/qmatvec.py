@@ -943,6 +943,67 @@ def _pass(qa, sa, qb, sb, x, out, mode, w):
         _store_one(mode, out, r, va, vb, wf)
 
 
+@njit(**_PARALLEL)
+def _stack_pass(wa, qb, sb, wc, x, out):
+    """out = [wa @ x | dequant(qb, sb) @ x | wc @ x] in one launch.
+
+    Why: a RowStack (the bf16 router and shared-expert gate beside the quantised shared
+    expert, which all multiply the same x) took a launch per part, and at decode's small
+    matrices a launch costs as much as reading the rows. Each row gets the dot _pass gives
+    it (four-row steps from each matrix's row 0, the same rows left over), so the bits are
+    those of one _pass per part. The plain steps (wa, then wc: fp32 or bf16, one kind) are
+    spread evenly among the quantised ones, so prange's static split gives each thread its
+    share of both."""
+    wide_vectors()
+    one = np.float32(1.0)
+    ra, rb = wa.shape[0], qb.shape[0]
+    out_b, out_c = out[ra:ra + rb], out[ra + rb:]
+    plain_digits, plain_unit, plain_corr = _prepare_x(x, 0)
+    digits, unit, corr = _prepare_x(x, _bits_of(qb))
+    # an empty part's strides may be 0 (numpy 2), which _ahead_bytes divides by
+    ahead_a = _ahead_bytes(wa, SET) if wa.shape[0] > 0 else 0
+    ahead_b = _ahead_bytes(qb, SET) if rb > 0 else 0
+    ahead_c = _ahead_bytes(wc, SET) if wc.shape[0] > 0 else 0
+    na, nb, nc = ra // 4, rb // 4, wc.shape[0] // 4
+    n_plain = na + nc
+    total = n_plain + nb
+    stride = max(1, total // n_plain) if n_plain > 0 else total + 1
+    for p in prange(total):
+        q = p // stride
+        if p % stride == 0 and q < n_plain:
+            if q < na:
+                r = 4 * q
+                v0, v1, v2, v3 = _columns_left(
+                    wa, wa, r, r + 1, r + 2, r + 3, x,
+                    *_rows_dot(wa, wa, wa, wa, r, r + 1, r + 2, r + 3, x, plain_digits, plain_unit, plain_corr,
+                               ahead_a))
+                _store4(out, r, v0, v1, v2, v3, one, False)
+            else:
+                r = 4 * (q - na)
+                v0, v1, v2, v3 = _columns_left(
+                    wc, wc, r, r + 1, r + 2, r + 3, x,
+                    *_rows_dot(wc, wc, wc, wc, r, r + 1, r + 2, r + 3, x, plain_digits, plain_unit, plain_corr,
+                               ahead_c))
+                _store4(out_c, r, v0, v1, v2, v3, one, False)
+        else:
+            r = 4 * (p - min(q + 1, n_plain))
+            v0, v1, v2, v3 = _columns_left(
+                qb, qb, r, r + 1, r + 2, r + 3, x,
+                *_rows_dot(qb, sb, qb, sb, r, r + 1, r + 2, r + 3, x, digits, unit, corr, ahead_b))
+            _store4(out_b, r, v0, v1, v2, v3, one, False)
+    for r in range(4 * na, ra):
+        out[r] = _columns_left(wa, wa, r, r, r, r, x,
+                               *_rows_dot(wa, wa, wa, wa, r, r, r, r, x, plain_digits, plain_unit, plain_corr,
+                                          ahead_a))[0]
+    for r in range(4 * nb, rb):
+        out_b[r] = _columns_left(qb, qb, r, r, r, r, x,
+                                 *_rows_dot(qb, sb, qb, sb, r, r, r, r, x, digits, unit, corr, ahead_b))[0]
+    for r in range(4 * nc, wc.shape[0]):
+        out_c[r] = _columns_left(wc, wc, r, r, r, r, x,
+                                 *_rows_dot(wc, wc, wc, wc, r, r, r, r, x, plain_digits, plain_unit, plain_corr,
+                                            ahead_c))[0]
+
+
 # --- the same row passes over several tokens ------------------------------------------------
 # A prompt's tokens routed to one expert: each step's rows are read once and
 # dotted with every token by the very dot functions above, so each token gets
@@ -1144,6 +1205,34 @@ def matvec_int4(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarra
     """out[:] = dequant(q, scales) @ x; q planar-nibble uint8 [rows, cols/2], scales [rows, cols/64]."""
     _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
     _pass(q, scales, q, scales, _f32(x), out, SET, 1.0)
+
+
+def stack_parts(parts: list) -> tuple | None:
+    """(wa, q, scales, wc) for `matvec_stack` when a RowStack's parts fit its one launch:
+    plain, quantised, and optionally plain again, the plain ones float32 or bf16 (uint16)
+    of one kind, all C-contiguous 2-D with the same columns; None otherwise."""
+    if len(parts) not in (2, 3) or not all(isinstance(p, np.ndarray) for p in parts[::2]):
+        return None
+    wa, quant = parts[0], parts[1]
+    wc = parts[2] if len(parts) == 3 else np.empty((0, wa.shape[1]), wa.dtype)
+    q, scales = getattr(quant, "q", None), getattr(quant, "scales", None)
+    if q is None or scales is None or q.dtype not in (np.int8, np.uint8):
+        return None
+    cols = wa.shape[1] if wa.ndim == 2 else -1
+    ok = (wa.dtype == wc.dtype and wa.dtype in (np.uint16, np.float32) and wc.ndim == 2 and q.ndim == 2
+          and scales.ndim == 2 and scales.dtype == np.float32 and wc.shape[1] == cols
+          and scales.shape[1] * GROUP == cols and scales.shape[0] == q.shape[0]
+          and q.shape[1] * (2 if q.dtype == np.uint8 else 1) == cols
+          and all(a.flags.c_contiguous for a in (wa, wc, q, scales)))
+    return (wa, q, scales, wc) if ok else None
+
+
+def matvec_stack(wa: np.ndarray, q: np.ndarray, scales: np.ndarray, wc: np.ndarray, x: np.ndarray,
+                 out: np.ndarray) -> None:
+    """out[:] = [wa @ x | dequant(q, scales) @ x | wc @ x] in one launch, for parts that
+    `stack_parts` accepted; each part's rows as its own matvec gives them."""
+    _check_matvec(wa.shape[0] + q.shape[0] + wc.shape[0], wa.shape[1], x, out)
+    _stack_pass(wa, q, scales, wc, _f32(x), out)
 
 
 def raw_matrices(blob: np.ndarray, kind: str, hidden: int, inter: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
