@@ -7,7 +7,8 @@
 
 Decode tok/s of the same greedy chat reply, headless (`Engine.generate`, as
 `tierlab generate` runs it) and inside the app (`TierlabApp` under
-`run_test` at 160x48, heatmap and meters live), interleaved, median of the
+`run_test` at 160x48, heatmap and meters live), both with every expert in
+RAM, interleaved, median of the
 rounds; tok/s is measured between the first and the last decode token, so
 prompt processing is left out of both. Then the app's start time in a real
 terminal (tmux): to its first frame, and to the model being loaded.
@@ -29,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +55,19 @@ class DecodeClock:
 
 
 def headless(model: Path, tokens: int) -> tuple[float, int]:
+    """On a thread of its own, as the app decodes on its workers: a thread keeps the OpenMP
+    team it opened until it exits, and with the main thread's team alive beside the app's,
+    libgomp would count more threads than CPUs and stop spinning (engine/gomp_waits.py)."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(_headless(model, tokens)))
+    worker.start()
+    worker.join()
+    if not result:
+        raise SystemExit("the headless run failed (its traceback is above)")
+    return result[0]
+
+
+def _headless(model: Path, tokens: int) -> tuple[float, int]:
     from tierlab.engine.model import load_engine
 
     engine = load_engine(model)
@@ -71,7 +86,11 @@ async def in_app(model: Path, tokens: int) -> tuple[float, int]:
     from tierlab.engine.options import EngineOptions
     from tierlab.widgets.knob import Knob
 
-    app = TierlabApp(EngineOptions(model))
+    from tierlab.engine.config import load_config
+
+    # every expert in RAM, as headless: the app's own first-run cache (3/8 of the experts,
+    # options.first_run_slots) would make this compare two caches, not the app's cost
+    app = TierlabApp(EngineOptions(model, cache=load_config(model).n_experts))
     clock = DecodeClock()
     async with app.run_test(size=(160, 48)) as pilot:
         while app.engine is None:
