@@ -52,17 +52,28 @@ class ShortWaits:
         return self._helper is not None
 
     def engage(self) -> bool:
-        """Short waits from now on (idempotent); False where unavailable."""
+        """Short waits from now on (idempotent); False where unavailable, or where the helper
+        could not start or open its team (then never tried again: the caller keeps its
+        followed thread count, which is correct, only slower under load)."""
         if not self.available:
             return False
         with self._lock:
             if self._helper is not None:
                 return True
-            ready = threading.Event()
+            ready, opened = threading.Event(), []
             self._release.clear()
-            helper = threading.Thread(target=self._park, args=(ready,), name="tierlab-short-waits", daemon=True)
-            helper.start()
+            helper = threading.Thread(target=self._park, args=(ready, opened), name="tierlab-short-waits",
+                                      daemon=True)
+            try:
+                helper.start()
+            except RuntimeError:  # no thread to be had
+                self.available = False
+                return False
             ready.wait()
+            if not opened:
+                helper.join()
+                self.available = False
+                return False
             self._helper = helper
             self.engagements += 1
             return True
@@ -76,10 +87,13 @@ class ShortWaits:
             self._helper.join()
             self._helper = None
 
-    def _park(self, ready: threading.Event) -> None:
+    def _park(self, ready: threading.Event, opened: list) -> None:
         try:
             numba.set_num_threads(self.helper_threads)  # this thread's count only
             _open_team(np.zeros(self.helper_threads, np.int64))
+            opened.append(True)
+        except Exception:  # reported by engage's False; the prompt runs as before
+            return
         finally:
             ready.set()
         self._release.wait()

@@ -71,3 +71,18 @@ def test_engage_and_release_are_idempotent():
     assert not waits.engaged
     assert waits.engage() and waits.engagements == 2
     waits.release()
+
+
+def test_a_helper_that_cannot_open_its_team_leaves_the_waits_as_they_are(monkeypatch):
+    from tierlab.engine import gomp_waits
+
+    def refuse(marks):
+        raise RuntimeError("no team here")
+
+    monkeypatch.setattr(gomp_waits, "_open_team", refuse)
+    waits = ShortWaits(cpus=2, team_threads=2)
+    if not waits.available:
+        pytest.skip("NUMBA_NUM_THREADS below 2")
+    assert not waits.engage() and not waits.engaged and not waits.available
+    assert not waits.engage() and waits.engagements == 0  # not tried again
+    waits.release()  # nothing to release
