@@ -55,6 +55,8 @@ class ShortWaits:
         """Short waits from now on (idempotent); False where unavailable, or where the helper
         could not start or open its team (then never tried again: the caller keeps its
         followed thread count, which is correct, only slower under load)."""
+        if self._helper is not None:  # engaged: every layer of a loaded prompt asks again
+            return True
         if not self.available:
             return False
         with self._lock:

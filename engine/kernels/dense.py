@@ -54,7 +54,7 @@ def linear(w, x: np.ndarray) -> np.ndarray:
     if isinstance(w, RowStack):
         if w.one_launch is not None and (x.ndim == 1 or x.shape[0] == 1):
             out = np.empty(w.shape[0], dtype=np.float32)
-            matvec_stack(*w.one_launch, np.ascontiguousarray(x.reshape(-1), dtype=np.float32), out)
+            matvec_stack(*w.one_launch, x.reshape(-1), out)  # made float32 there
             return out if x.ndim == 1 else out[None, :]
         return np.concatenate([linear(p, x) for p in w.parts], axis=-1)
     if x.ndim == 1:

@@ -943,6 +943,21 @@ def _pass(qa, sa, qb, sb, x, out, mode, w):
         _store_one(mode, out, r, va, vb, wf)
 
 
+@njit(**_SERIAL)
+def _set_step(a, sa, r, x, digits, unit, corr, ahead, out):
+    """out[r..r+3] = rows r..r+3 of a . x: one step of a SET pass, as _pass computes it."""
+    v0, v1, v2, v3 = _columns_left(a, a, r, r + 1, r + 2, r + 3, x,
+                                   *_rows_dot(a, sa, a, sa, r, r + 1, r + 2, r + 3, x, digits, unit, corr, ahead))
+    _store4(out, r, v0, v1, v2, v3, np.float32(1.0), False)
+
+
+@njit(**_SERIAL)
+def _set_rows_left(a, sa, x, digits, unit, corr, ahead, out):
+    """out[r] = row r of a . x for the rows the four-row steps leave over, as _pass does."""
+    for r in range(_first_left_over(SET, a.shape[0]), a.shape[0]):
+        out[r] = _columns_left(a, a, r, r, r, r, x, *_rows_dot(a, sa, a, sa, r, r, r, r, x, digits, unit, corr, ahead))[0]
+
+
 @njit(**_PARALLEL)
 def _stack_pass(wa, qb, sb, wc, x, out):
     """out = [wa @ x | dequant(qb, sb) @ x | wc @ x] in one launch.
@@ -955,13 +970,12 @@ def _stack_pass(wa, qb, sb, wc, x, out):
     spread evenly among the quantised ones, so prange's static split gives each thread its
     share of both."""
     wide_vectors()
-    one = np.float32(1.0)
     ra, rb = wa.shape[0], qb.shape[0]
     out_b, out_c = out[ra:ra + rb], out[ra + rb:]
     plain_digits, plain_unit, plain_corr = _prepare_x(x, 0)
     digits, unit, corr = _prepare_x(x, _bits_of(qb))
     # an empty part's strides may be 0 (numpy 2), which _ahead_bytes divides by
-    ahead_a = _ahead_bytes(wa, SET) if wa.shape[0] > 0 else 0
+    ahead_a = _ahead_bytes(wa, SET) if ra > 0 else 0
     ahead_b = _ahead_bytes(qb, SET) if rb > 0 else 0
     ahead_c = _ahead_bytes(wc, SET) if wc.shape[0] > 0 else 0
     na, nb, nc = ra // 4, rb // 4, wc.shape[0] // 4
@@ -972,36 +986,14 @@ def _stack_pass(wa, qb, sb, wc, x, out):
         q = p // stride
         if p % stride == 0 and q < n_plain:
             if q < na:
-                r = 4 * q
-                v0, v1, v2, v3 = _columns_left(
-                    wa, wa, r, r + 1, r + 2, r + 3, x,
-                    *_rows_dot(wa, wa, wa, wa, r, r + 1, r + 2, r + 3, x, plain_digits, plain_unit, plain_corr,
-                               ahead_a))
-                _store4(out, r, v0, v1, v2, v3, one, False)
+                _set_step(wa, wa, 4 * q, x, plain_digits, plain_unit, plain_corr, ahead_a, out)
             else:
-                r = 4 * (q - na)
-                v0, v1, v2, v3 = _columns_left(
-                    wc, wc, r, r + 1, r + 2, r + 3, x,
-                    *_rows_dot(wc, wc, wc, wc, r, r + 1, r + 2, r + 3, x, plain_digits, plain_unit, plain_corr,
-                               ahead_c))
-                _store4(out_c, r, v0, v1, v2, v3, one, False)
+                _set_step(wc, wc, 4 * (q - na), x, plain_digits, plain_unit, plain_corr, ahead_c, out_c)
         else:
-            r = 4 * (p - min(q + 1, n_plain))
-            v0, v1, v2, v3 = _columns_left(
-                qb, qb, r, r + 1, r + 2, r + 3, x,
-                *_rows_dot(qb, sb, qb, sb, r, r + 1, r + 2, r + 3, x, digits, unit, corr, ahead_b))
-            _store4(out_b, r, v0, v1, v2, v3, one, False)
-    for r in range(4 * na, ra):
-        out[r] = _columns_left(wa, wa, r, r, r, r, x,
-                               *_rows_dot(wa, wa, wa, wa, r, r, r, r, x, plain_digits, plain_unit, plain_corr,
-                                          ahead_a))[0]
-    for r in range(4 * nb, rb):
-        out_b[r] = _columns_left(qb, qb, r, r, r, r, x,
-                                 *_rows_dot(qb, sb, qb, sb, r, r, r, r, x, digits, unit, corr, ahead_b))[0]
-    for r in range(4 * nc, wc.shape[0]):
-        out_c[r] = _columns_left(wc, wc, r, r, r, r, x,
-                                 *_rows_dot(wc, wc, wc, wc, r, r, r, r, x, plain_digits, plain_unit, plain_corr,
-                                            ahead_c))[0]
+            _set_step(qb, sb, 4 * (p - min(q + 1, n_plain)), x, digits, unit, corr, ahead_b, out_b)
+    _set_rows_left(wa, wa, x, plain_digits, plain_unit, plain_corr, ahead_a, out)
+    _set_rows_left(qb, sb, x, digits, unit, corr, ahead_b, out_b)
+    _set_rows_left(wc, wc, x, plain_digits, plain_unit, plain_corr, ahead_c, out_c)
 
 
 # --- the same row passes over several tokens ------------------------------------------------
