@@ -40,7 +40,7 @@ from numba.extending import intrinsic
 from tierlab.engine.kernels.dense import deltanet_gates, deltanet_head, deltanet_token_inputs
 from tierlab.engine.kernels.fastexp import silu_f32
 from tierlab.engine.kernels.qmatmat import _f32_matrix
-from tierlab.engine.kernels.qmatvec import _FAST, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, _splat
+from tierlab.engine.kernels.qmatvec import _fma, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, _splat
 
 STATE_COLUMNS = 32  # columns of a head's state per block: 32 x dk=128 floats = 16 KiB, in L1 with room
 _CONV_CHANNELS = 256  # channels per parallel step of the prompt's conv
@@ -197,11 +197,10 @@ def _columns_step(typingctx, st, delta, kt, kn, qn, decay, sums):
             for v in range(2):
                 at = builder.add(row, ir.Constant(_I64, 16 * v))
                 ptr = builder.bitcast(builder.gep(st_a.data, [at]), _V16F.as_pointer())
-                s = builder.fadd(builder.fmul(dec, builder.load(ptr, align=4), flags=_FAST),
-                                 builder.fmul(d[v], ki, flags=_FAST), flags=_FAST)
+                s = _fma(builder, d[v], ki, builder.fmul(dec, builder.load(ptr, align=4)))
                 builder.store(s, ptr, align=4)
-                out.append(builder.fadd(accs[2 * v], builder.fmul(s, kni, flags=_FAST), flags=_FAST))
-                out.append(builder.fadd(accs[2 * v + 1], builder.fmul(s, qni, flags=_FAST), flags=_FAST))
+                out.append(_fma(builder, s, kni, accs[2 * v]))
+                out.append(_fma(builder, s, qni, accs[2 * v + 1]))
             return out
 
         dk = builder.extract_value(st_a.shape, 0)

@@ -29,7 +29,7 @@ from numba.extending import intrinsic
 
 from tierlab.engine.kernels.fastexp import FAST_EXACT, exp_f32
 from tierlab.engine.kernels.qmatmat import _dot4x1_into, _dot4x2_into_lanes, _dot4x3_into, _dot4x4_into, _f32_matrix
-from tierlab.engine.kernels.qmatvec import _FAST, _I64, _V16F, _counted_loop, _load_vec, _splat
+from tierlab.engine.kernels.qmatvec import _fma, _I64, _V16F, _counted_loop, _load_vec, _splat
 
 _F32 = ir.FloatType()
 
@@ -56,7 +56,7 @@ def _weighted_rows_codegen(chunks):
             out = []
             for s in range(4):
                 ps = _splat(builder, builder.load(builder.gep(p_rows[s], [j])), _V16F)
-                out += [builder.fadd(builder.fmul(ps, vv[i], flags=_FAST), accs[s * chunks + i], flags=_FAST)
+                out += [_fma(builder, ps, vv[i], accs[s * chunks + i])
                         for i in range(chunks)]
             return out
 

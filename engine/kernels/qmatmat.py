@@ -28,7 +28,7 @@ from numba.extending import intrinsic, overload
 
 from tierlab.engine.blob_layout import GROUP, blob_nbytes
 from tierlab.engine.kernels.fastexp import silu_f32
-from tierlab.engine.kernels.qmatvec import (_FAST, _I32, _I64, _V16F, _WIDE, _counted_loop, _load_vec, _prefetch,
+from tierlab.engine.kernels.qmatvec import (_fma, _I32, _I64, _V16F, _WIDE, _counted_loop, _load_vec, _prefetch,
                                             bf16_f32, expert_views, quant_matrices, raw_matrices, wide_vectors)
 
 _F32 = ir.FloatType()
@@ -194,7 +194,7 @@ def _dot4xn_codegen(n):
             col = builder.mul(i, ir.Constant(_I64, 16))
             wv = [_load_vec(builder, p, col, _V16F, 4) for p in ws]
             xv = [_load_vec(builder, p, col, _V16F, 4) for p in xs]
-            return [builder.fadd(builder.fmul(wv[k], xv[s], flags=_FAST), accs[4 * s + k], flags=_FAST)
+            return [_fma(builder, wv[k], xv[s], accs[4 * s + k])
                     for s in range(n) for k in range(4)]
 
         steps = builder.sdiv(builder.extract_value(w_arr.shape, 1), ir.Constant(_I64, 16))

@@ -129,7 +129,6 @@ _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _V16F = ir.VectorType(_F32, 16)
-_FAST = ("fast",)
 
 
 def _row_view_ok(t, dtype) -> bool:
@@ -140,6 +139,12 @@ def _splat(builder, value, vtype):
     undef = ir.Constant(vtype, ir.Undefined)
     one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vtype.count), [0] * vtype.count))
+
+
+def _vector_of(builder, values, lanes):
+    """The lanes `lanes` (indices, in order) of the vector `values`, as a vector."""
+    undef = ir.Constant(values.type, ir.Undefined)
+    return builder.shuffle_vector(values, undef, ir.Constant(ir.VectorType(_I32, len(lanes)), list(lanes)))
 
 
 def _load_vec(builder, base, index, vtype, align):
@@ -157,9 +162,9 @@ def _pieces16(builder, vec):
 
 def _dot_pieces(builder, ws, xs):
     """sum_k ws[k] * xs[k] as one chain of FMAs (16 lanes)."""
-    acc = builder.fmul(ws[0], xs[0], flags=_FAST)
+    acc = builder.fmul(ws[0], xs[0])
     for w, x in zip(ws[1:], xs[1:]):
-        acc = builder.fadd(builder.fmul(w, x, flags=_FAST), acc, flags=_FAST)
+        acc = _fma(builder, w, x, acc)
     return acc
 
 
@@ -184,8 +189,9 @@ def _host_has(*features: str) -> bool:
 # the weights stay as they are (int4 nibbles 0..15, int8 bytes + 128 as u8),
 # the digits are dotted one after the other into one int32 accumulator shifted
 # by 7 bits between them, and the constant offset (8 or 128 times the sum of X)
-# is subtracted as an integer. The only rounding is x to X: at most u / 2 =
-# 2.4e-7 of the group's largest |x|, far inside the 1e-5 the kernels are
+# is subtracted as an integer. The only rounding is x to X: under 0.75 u (half
+# a step, plus float32's rounding of x / u before it is rounded to a step) =
+# 3.6e-7 of the group's largest |x|, far inside the 1e-5 the kernels are
 # tested to (a group whose largest |x| is below 2.4e-32 counts as zero). Per
 # 64 int4 weights that is about 8 vector operations instead of 13, and each
 # 16 lanes of the result need one int->float conversion.
@@ -285,14 +291,28 @@ def _prefetch(builder, ptr, offset):
 
 
 def _reduce16(builder, vec):
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_F32, [_F32, _V16F]), "llvm.vector.reduce.fadd.v16f32")
-    return builder.call(fn, [ir.Constant(_F32, -0.0), vec], fastmath=_FAST)
+    return _halving_sum(builder, vec)
+
+
+def _halving_sum(builder, vec):
+    """The sum of a float vector's lanes in one fixed order (halves added until one lane)."""
+    while vec.type.count > 1:
+        half = vec.type.count // 2
+        vec = builder.fadd(_vector_of(builder, vec, range(half)), _vector_of(builder, vec, range(half, 2 * half)))
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+def _fma(builder, a, b, c):
+    """a * b + c, rounded once in every compile of the kernel."""
+    name = f"llvm.fma.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
+    return builder.call(fn, [a, b, c])
 
 
 def _vnni_block(builder, q, s, block, digits, unit, corr, bits, half):
-    """16 float lanes of one row's 64-byte block (int4: groups 2b, 2b+1; int8: group b) times
-    its scales and units; `half`: the block is an int4 row's odd last group (32 bytes)."""
+    """16 float lanes of one row's 64-byte block (int4: groups 2b, 2b+1; int8: group b) and
+    what each lane is multiplied by (its scale times its unit), to be added to the row's
+    accumulator with one FMA; `half`: the block is an int4 row's odd last group (32 bytes)."""
     dot = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
     start = builder.mul(block, ir.Constant(_I64, 64))
@@ -323,8 +343,8 @@ def _vnni_block(builder, q, s, block, digits, unit, corr, bits, half):
     else:
         group = builder.mul(block, ir.Constant(_I64, 2)) if bits == 4 else block
         scale = _splat(builder, builder.load(builder.gep(s, [group])), _V16F)
-    weight = builder.fmul(scale, _load_vec(builder, unit, lanes, _V16F, 4), flags=_FAST)
-    return builder.fmul(builder.sitofp(acc, _V16F), weight, flags=_FAST)
+    weight = builder.fmul(scale, _load_vec(builder, unit, lanes, _V16F, 4))
+    return builder.sitofp(acc, _V16F), weight
 
 
 def _row_start(context, builder, arr, index, index_type):
@@ -366,7 +386,7 @@ def _vnni_rows_loop(context, builder, signature, args, bits):
             out = []
             for (q, s), acc in zip(rows, accs):
                 _prefetch(builder, q, builder.add(builder.mul(b, ir.Constant(_I64, 64)), ahead))
-                out.append(builder.fadd(_vnni_block(builder, q, s, b, digits, unit, corr, bits, False), acc, flags=_FAST))
+                out.append(_fma(builder, *_vnni_block(builder, q, s, b, digits, unit, corr, bits, False), acc))
             return out
 
         accs = _counted_loop(builder, blocks, [zero] * len(rows), body)
@@ -374,7 +394,7 @@ def _vnni_rows_loop(context, builder, signature, args, bits):
             odd = builder.icmp_signed("!=", builder.srem(n_groups, ir.Constant(_I64, 2)), ir.Constant(_I64, 0))
             before = builder.block
             with builder.if_then(odd):
-                tails = [builder.fadd(_vnni_block(builder, q, s, blocks, digits, unit, corr, bits, True), acc, flags=_FAST)
+                tails = [_fma(builder, *_vnni_block(builder, q, s, blocks, digits, unit, corr, bits, True), acc)
                          for (q, s), acc in zip(rows, accs)]
                 inside = builder.block
             merged = []
@@ -416,17 +436,17 @@ def _float_rows_loop(context, builder, signature, args, bits):
                 hi = builder.uitofp(builder.lshr(raw, ir.Constant(raw.type, [4] * 32)), ir.VectorType(_F32, 32))
                 ws = _pieces16(builder, lo) + _pieces16(builder, hi)  # elements 0-15, 16-31 | 32-47, 48-63
                 xsum = builder.load(builder.gep(xsum8, [g]))
-                off = builder.fadd(builder.fmul(scale, xsum, flags=_FAST), off, flags=_FAST)
+                off = _fma(builder, scale, xsum, off)
             else:
                 raw = _load_vec(builder, q, x0, ir.VectorType(_I8, 64), 1)
                 ws = _pieces16(builder, builder.sitofp(raw, ir.VectorType(_F32, 64)))
             part = _dot_pieces(builder, ws, x_pieces)
-            accs.append(builder.fadd(builder.fmul(part, _splat(builder, scale, _V16F), flags=_FAST), acc, flags=_FAST))
+            accs.append(_fma(builder, part, _splat(builder, scale, _V16F), acc))
             offs.append(off)
         return accs + offs
 
     finals = _counted_loop(builder, n_groups, [zero_v] * n + [zero_f] * n, body)
-    results = [builder.fsub(_reduce16(builder, acc), off, flags=_FAST) for acc, off in zip(finals[:n], finals[n:])]
+    results = [builder.fsub(_reduce16(builder, acc), off) for acc, off in zip(finals[:n], finals[n:])]
     return context.make_tuple(builder, signature.return_type, results)
 
 
@@ -488,7 +508,7 @@ def _raw_rows_loop(context, builder, signature, args):
             else:
                 ws = [_load_vec(builder, row, start, _V16F, 4)]
             for k in range(pieces):
-                out.append(builder.fadd(builder.fmul(ws[k], xs[k], flags=_FAST), accs[r * pieces + k], flags=_FAST))
+                out.append(_fma(builder, ws[k], xs[k], accs[r * pieces + k]))
         return out
 
     accs = _counted_loop(builder, lines, [zero] * (len(rows) * pieces), body)
@@ -496,7 +516,7 @@ def _raw_rows_loop(context, builder, signature, args):
     for r in range(len(rows)):
         total = accs[r * pieces]
         for k in range(1, pieces):
-            total = builder.fadd(total, accs[r * pieces + k], flags=_FAST)
+            total = builder.fadd(total, accs[r * pieces + k])
         sums.append(_reduce16(builder, total))
     return context.make_tuple(builder, signature.return_type, sums)
 
@@ -517,15 +537,12 @@ _FLOAT_SWEEP, _INT4_SWEEP = 4, 4
 
 
 def _reduce8(builder, vec):
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(_F32, [_F32, _V8F]), "llvm.vector.reduce.fadd.v8f32")
-    return builder.call(fn, [ir.Constant(_F32, -0.0), vec], fastmath=_FAST)
+    return _halving_sum(builder, vec)
 
 
 def _fma_acc(builder, w, x, acc):
     """acc + w * x (acc None: w * x)."""
-    prod = builder.fmul(w, x, flags=_FAST)
-    return prod if acc is None else builder.fadd(prod, acc, flags=_FAST)
+    return builder.fmul(w, x) if acc is None else _fma(builder, w, x, acc)
 
 
 def _widened8(builder, base, index, itype, signed):
@@ -577,13 +594,13 @@ def _narrow_float_rows_loop(context, builder, signature, args, bits):
                 scale = builder.load(builder.gep(s, [g]))
                 if bits == 4:
                     xsum = builder.load(builder.gep(xsum8, [g]))
-                    off = builder.fadd(builder.fmul(scale, xsum, flags=_FAST), off, flags=_FAST)
-                accs.append(builder.fadd(builder.fmul(part, _splat(builder, scale, _V8F), flags=_FAST), acc, flags=_FAST))
+                    off = _fma(builder, scale, xsum, off)
+                accs.append(_fma(builder, part, _splat(builder, scale, _V8F), acc))
                 offs.append(off)
             return accs + offs
 
         finals = _counted_loop(builder, n_groups, [zero_v] * n + [zero_f] * n, body)
-        return [builder.fsub(_reduce8(builder, acc), off, flags=_FAST) for acc, off in zip(finals[:n], finals[n:])]
+        return [builder.fsub(_reduce8(builder, acc), off) for acc, off in zip(finals[:n], finals[n:])]
 
     pairs = list(zip(qs, ss))
     results = []
@@ -632,8 +649,8 @@ def _avx2_int4_rows_loop(context, builder, signature, args, bits):
                 part = builder.call(wd, [pairs, digit_weights[d]])
                 total = part if total is None else builder.add(total, part)
             total = builder.sub(total, c)
-            weight = builder.fmul(u, _splat(builder, builder.load(builder.gep(s, [g])), _V8F), flags=_FAST)
-            out.append(builder.fadd(builder.fmul(builder.sitofp(total, _V8F), weight, flags=_FAST), acc, flags=_FAST))
+            weight = builder.fmul(u, _splat(builder, builder.load(builder.gep(s, [g])), _V8F))
+            out.append(_fma(builder, builder.sitofp(total, _V8F), weight, acc))
         return out
 
     def sweep(rows):
@@ -697,7 +714,7 @@ def _narrow_raw_rows_loop(context, builder, signature, args):
     for r in range(len(rows)):
         total = accs[r * n_acc]
         for k in range(1, n_acc):
-            total = builder.fadd(total, accs[r * n_acc + k], flags=_FAST)
+            total = builder.fadd(total, accs[r * n_acc + k])
         sums.append(_reduce8(builder, total))
     return context.make_tuple(builder, signature.return_type, sums)
 
@@ -752,6 +769,124 @@ def _bits_of_impl(q):
     return lambda q: bits
 
 
+# --- x written as digits, one 64-group at a time in vector registers ------------------------
+# Written as numba loops the preparation stayed scalar (the digit stores may alias the
+# integers they come from, as far as LLVM knows), 1.3 us for a 2048-element x: a twentieth
+# of a 512x2048 int4 call from DRAM, with the memory idle. Here a group is four 16-lane
+# vectors from load to the last store (docs/benchmarks.md, Kernels).
+
+
+def _signed_digit(builder, v, vtype):
+    """The base-128 digit of v in [-64, 64): ((v + 64) & 127) - 64."""
+    const = lambda c: ir.Constant(vtype, [c] * vtype.count)  # noqa: E731
+    return builder.sub(builder.and_(builder.add(v, const(64)), const(127)), const(64))
+
+
+def _group_lane0(builder, g, bits):
+    """(block, first lane) of group g in `unit` and `corr`: int4 pairs groups in a block's
+    lanes 0-7 and 8-15, int8 gives a group a block of its own."""
+    if bits == 4:
+        block, odd = builder.sdiv(g, ir.Constant(_I64, 2)), builder.srem(g, ir.Constant(_I64, 2))
+        return block, odd, builder.add(builder.mul(block, ir.Constant(_I64, 16)), builder.mul(odd, ir.Constant(_I64, 8)))
+    return g, None, builder.mul(g, ir.Constant(_I64, 16))
+
+
+def _emit_group_unit(context, builder, signature, args, bits):
+    """u of group g (its largest |x| / (126 * 128^2)) into `unit`'s lanes of the group.
+
+    Its own loop before the digits': each group's chain (a reduction, two divisions) is
+    long, and short independent iterations let the core run several groups at once."""
+    x, unit = (context.make_array(t)(context, builder, v).data for t, v in zip(signature.args[::2], args[::2]))
+    g = context.cast(builder, args[1], signature.args[1], types.int64)
+    v64f, v64i = ir.VectorType(_F32, GROUP), ir.VectorType(_I32, GROUP)
+    values = _load_vec(builder, x, builder.mul(g, ir.Constant(_I64, GROUP)), v64f, 4)
+    # the largest |x| compared as integers (the float bits without the sign), as a float again
+    magnitude = builder.and_(builder.bitcast(values, v64i), ir.Constant(v64i, [0x7FFFFFFF] * GROUP))
+    umax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [v64i]), "llvm.vector.reduce.umax.v64i32")
+    top = builder.bitcast(builder.call(umax, [magnitude]), _F32)
+    # divided in float64 and rounded to float32; below the smallest normal float32 the group counts as zero
+    f64 = ir.DoubleType()
+    u = builder.fptrunc(builder.fdiv(builder.fpext(top, f64), ir.Constant(f64, _UNIT_STEPS)), _F32)
+    u = builder.select(builder.fcmp_ordered("<", u, ir.Constant(_F32, float(_SMALLEST_UNIT))), ir.Constant(_F32, 0.0), u)
+    lanes = 8 if bits == 4 else 16
+    lane_f = ir.VectorType(_F32, lanes)
+    lane0 = _group_lane0(builder, g, bits)[2]
+    builder.store(_splat(builder, u, lane_f), builder.bitcast(builder.gep(unit, [lane0]), lane_f.as_pointer()), align=4)
+    return context.get_dummy_value()
+
+
+def _emit_group_digits(context, builder, signature, args, bits):
+    """Group g of x, its u in `unit`: X = round-half-away(x / u) split into the digits d0, d1,
+    d2 at their places in `digits`, and 8 * (int4) or 128 * (int8) the lane sums of X in
+    `corr`'s lanes of the group, exactly as the note above _VNNI says."""
+    x, digits, unit, corr = (context.make_array(t)(context, builder, v).data
+                             for t, v in zip((signature.args[0], *signature.args[2:5]), (args[0], *args[2:5])))
+    g = context.cast(builder, args[1], signature.args[1], types.int64)
+    v64f, v64i = ir.VectorType(_F32, GROUP), ir.VectorType(_I32, GROUP)
+    block, odd, lane0 = _group_lane0(builder, g, bits)
+    u = builder.load(builder.gep(unit, [lane0]))
+    positive = builder.fcmp_ordered(">", u, ir.Constant(_F32, 0.0))
+    inv = builder.select(positive, builder.fdiv(ir.Constant(_F32, 1.0), u), ir.Constant(_F32, 0.0))
+    values = _load_vec(builder, x, builder.mul(g, ir.Constant(_I64, GROUP)), v64f, 4)
+    scaled = builder.fmul(values, _splat(builder, inv, v64f))  # no fast flags: not fused with the rounding below
+    half = ir.Constant(v64f, [0.5] * GROUP)
+    rounded = builder.select(builder.fcmp_ordered(">=", scaled, ir.Constant(v64f, [0.0] * GROUP)),
+                             builder.fadd(scaled, half), builder.fsub(scaled, half))
+    big = builder.fptosi(rounded, v64i)
+    d2 = _signed_digit(builder, big, v64i)
+    seven = ir.Constant(v64i, [_DIGIT_BITS] * GROUP)
+    rest = builder.ashr(builder.sub(big, d2), seven)
+    d1 = _signed_digit(builder, rest, v64i)
+    d0 = builder.ashr(builder.sub(rest, d1), seven)
+    as_bytes = [builder.trunc(d, ir.VectorType(_I8, GROUP)) for d in (d0, d1, d2)]
+    if bits == 4:  # block g // 2: per digit, 64 bytes of low nibbles' x then 64 of high ones'; group g % 2 the second 32 of each
+        base = builder.add(builder.mul(block, ir.Constant(_I64, 3 * 128)), builder.mul(odd, ir.Constant(_I64, 32)))
+        for d, b in enumerate(as_bytes):
+            for op in range(2):  # low nibbles: elements 0-31, high nibbles: 32-63
+                at = builder.add(base, ir.Constant(_I64, d * 128 + op * 64))
+                piece = _vector_of(builder, b, range(32 * op, 32 * op + 32))
+                builder.store(piece, builder.bitcast(builder.gep(digits, [at]), piece.type.as_pointer()), align=1)
+        pair = builder.add(_vector_of(builder, big, range(32)), _vector_of(builder, big, range(32, 64)))
+        lanes, factor = 8, 8
+    else:  # block g: per digit, the 64 bytes in order
+        for d, b in enumerate(as_bytes):
+            at = builder.add(builder.mul(g, ir.Constant(_I64, 3 * 64)), ir.Constant(_I64, d * 64))
+            builder.store(b, builder.bitcast(builder.gep(digits, [at]), b.type.as_pointer()), align=1)
+        pair, lanes, factor = big, 16, 128
+    # lane l sums elements 4l..4l+3 (of both halves for int4): the four-byte sums vpdpbusd makes
+    sums = _vector_of(builder, pair, range(0, 4 * lanes, 4))
+    for k in range(1, 4):
+        sums = builder.add(sums, _vector_of(builder, pair, range(k, 4 * lanes, 4)))
+    lane_i = ir.VectorType(_I32, lanes)
+    sums = builder.mul(sums, ir.Constant(lane_i, [factor] * lanes))
+    builder.store(sums, builder.bitcast(builder.gep(corr, [lane0]), lane_i.as_pointer()), align=4)
+    return context.get_dummy_value()
+
+
+def _group_preparers(bits):
+    """The two intrinsics that prepare group g of x for `bits`-bit weights: (unit, digits)."""
+    @intrinsic
+    def group_unit(typingctx, x, g, unit):
+        if not (_row_view_ok(x, types.float32) and isinstance(g, types.Integer) and _row_view_ok(unit, types.float32)):
+            return None
+        return types.none(x, g, unit), (
+            lambda context, builder, signature, args: _emit_group_unit(context, builder, signature, args, bits))
+
+    @intrinsic
+    def group_digits(typingctx, x, g, digits, unit, corr):
+        if not (_row_view_ok(x, types.float32) and isinstance(g, types.Integer) and _row_view_ok(digits, types.int8)
+                and _row_view_ok(unit, types.float32) and _row_view_ok(corr, types.int32)):
+            return None
+        return types.none(x, g, digits, unit, corr), (
+            lambda context, builder, signature, args: _emit_group_digits(context, builder, signature, args, bits))
+
+    return group_unit, group_digits
+
+
+_group_unit4, _group_digits4 = _group_preparers(4)
+_group_unit8, _group_digits8 = _group_preparers(8)
+
+
 @njit(**_SERIAL)
 def _prepared_sizes(cols, bits):
     """Lengths of the (digits, unit, corr) arrays that x [cols] is prepared into."""
@@ -770,8 +905,8 @@ def _prepare_into(x, bits, digits, unit, corr):
 
     VNNI: per 64-byte block of a row, `digits` holds 3 digits x operands x 64
     bytes lined up with the weight bytes they multiply, `unit` the 16 lanes' units
-    and `corr` the 16 lanes' integer offsets. Float path: `unit` = 8 * group sums (int4).
-    Written as plain loops over contiguous runs so that LLVM vectorises them.
+    and `corr` the 16 lanes' integer offsets, a group at a time in vector registers
+    (`_emit_prepare_group`). Float path: `unit` = 8 * group sums (int4).
     """
     wide_vectors()
     n_groups = x.shape[0] // GROUP
@@ -785,62 +920,21 @@ def _prepare_into(x, bits, digits, unit, corr):
                     t += x[g * GROUP + j]
                 unit[g] = np.float32(8.0) * t
         return
-    big = np.empty(x.shape[0], np.int32)
-    magnitude = x.view(np.int32)  # |x| compared as integers: the float bits without the sign
-    for g in range(n_groups):
-        top = np.int32(0)
-        for j in range(GROUP):
-            top = max(top, magnitude[g * GROUP + j] & np.int32(0x7FFFFFFF))
-        u = np.float32(_f32_from_bits(top) / _UNIT_STEPS)
-        if u < _SMALLEST_UNIT:  # all |x| < 2.4e-32 (or zero): counted as zero
-            u = np.float32(0.0)
-        inv = np.float32(1.0) / u if u > 0 else np.float32(0.0)
-        for j in range(GROUP):  # round half away from zero (np.rint is a libm call per element)
-            v = x[g * GROUP + j] * inv
-            big[g * GROUP + j] = np.int32(v + np.float32(0.5) if v >= 0 else v - np.float32(0.5))
-        if bits == 4:  # lanes 0-7 of block g // 2 belong to even groups, 8-15 to odd ones
-            unit[(g // 2) * 16 + 8 * (g % 2): (g // 2) * 16 + 8 * (g % 2) + 8] = u
-        else:
-            unit[g * 16: g * 16 + 16] = u
-    # a block holds 3 digits x 64 bytes per operand (a constant span in each branch, which
-    # lets LLVM vectorise the digit stores)
     if bits == 4:
-        span = 128
         if n_groups % 2:  # the odd last group's partner: nothing
             last = (n_groups // 2) * 16
             unit[last + 8: last + 16] = 0.0
             corr[last + 8: last + 16] = 0
-            digits[(n_groups // 2) * 3 * span:] = 0
+            digits[(n_groups // 2) * 3 * 128:] = 0
         for g in range(n_groups):
-            for op in range(2):  # low nibbles: elements 0-31, high nibbles: 32-63
-                src = g * GROUP + 32 * op
-                at = (g // 2) * 3 * span + op * 64 + 32 * (g % 2)
-                for j in range(32):
-                    _put_digits(big[src + j], digits, at + j, span)
-            for lane in range(8):
-                src = g * GROUP + 4 * lane
-                total = (big[src] + big[src + 1] + big[src + 2] + big[src + 3]
-                         + big[src + 32] + big[src + 33] + big[src + 34] + big[src + 35])
-                corr[(g // 2) * 16 + 8 * (g % 2) + lane] = np.int32(8) * total
+            _group_unit4(x, g, unit)
+        for g in range(n_groups):
+            _group_digits4(x, g, digits, unit, corr)
     else:
-        span = 64
         for g in range(n_groups):
-            for j in range(GROUP):
-                _put_digits(big[g * GROUP + j], digits, g * 3 * span + j, span)
-            for lane in range(16):
-                src = g * GROUP + 4 * lane
-                corr[g * 16 + lane] = np.int32(128) * (big[src] + big[src + 1] + big[src + 2] + big[src + 3])
-
-
-@njit(**_SERIAL)
-def _put_digits(big, digits, at, span):
-    """big = d0 128^2 + d1 128 + d2 with each digit in [-64, 64): at, at + span, at + 2 span."""
-    d2 = ((big + np.int32(64)) & np.int32(127)) - np.int32(64)
-    rest = (big - d2) >> np.int32(_DIGIT_BITS)
-    d1 = ((rest + np.int32(64)) & np.int32(127)) - np.int32(64)
-    digits[at] = np.int8((rest - d1) >> np.int32(_DIGIT_BITS))
-    digits[at + span] = np.int8(d1)
-    digits[at + 2 * span] = np.int8(d2)
+            _group_unit8(x, g, unit)
+        for g in range(n_groups):
+            _group_digits8(x, g, digits, unit, corr)
 
 
 @njit(**_SERIAL)
