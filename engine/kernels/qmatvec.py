@@ -290,10 +290,6 @@ def _prefetch(builder, ptr, offset):
     builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, _PREFETCH_LOCALITY), ir.Constant(_I32, 1)])
 
 
-def _reduce16(builder, vec):
-    return _halving_sum(builder, vec)
-
-
 def _halving_sum(builder, vec):
     """The sum of a float vector's lanes in one fixed order (halves added until one lane)."""
     while vec.type.count > 1:
@@ -404,7 +400,7 @@ def _vnni_rows_loop(context, builder, signature, args, bits):
                 phi.add_incoming(tail, inside)
                 merged.append(phi)
             accs = merged
-        return [_reduce16(builder, acc) for acc in accs]
+        return [_halving_sum(builder, acc) for acc in accs]
 
     return context.make_tuple(builder, signature.return_type, sweep(list(zip(qs, ss))))
 
@@ -446,7 +442,7 @@ def _float_rows_loop(context, builder, signature, args, bits):
         return accs + offs
 
     finals = _counted_loop(builder, n_groups, [zero_v] * n + [zero_f] * n, body)
-    results = [builder.fsub(_reduce16(builder, acc), off) for acc, off in zip(finals[:n], finals[n:])]
+    results = [builder.fsub(_halving_sum(builder, acc), off) for acc, off in zip(finals[:n], finals[n:])]
     return context.make_tuple(builder, signature.return_type, results)
 
 
@@ -517,7 +513,7 @@ def _raw_rows_loop(context, builder, signature, args):
         total = accs[r * pieces]
         for k in range(1, pieces):
             total = builder.fadd(total, accs[r * pieces + k])
-        sums.append(_reduce16(builder, total))
+        sums.append(_halving_sum(builder, total))
     return context.make_tuple(builder, signature.return_type, sums)
 
 
@@ -534,10 +530,6 @@ _V8F = ir.VectorType(_F32, _NARROW)
 # x's six digit vectors of a group on the stack, which still beats two rows per loop,
 # where each digit vector is loaded twice as often (docs/benchmarks.md, Kernels)
 _FLOAT_SWEEP, _INT4_SWEEP = 4, 4
-
-
-def _reduce8(builder, vec):
-    return _halving_sum(builder, vec)
 
 
 def _fma_acc(builder, w, x, acc):
@@ -600,7 +592,7 @@ def _narrow_float_rows_loop(context, builder, signature, args, bits):
             return accs + offs
 
         finals = _counted_loop(builder, n_groups, [zero_v] * n + [zero_f] * n, body)
-        return [builder.fsub(_reduce8(builder, acc), off) for acc, off in zip(finals[:n], finals[n:])]
+        return [builder.fsub(_halving_sum(builder, acc), off) for acc, off in zip(finals[:n], finals[n:])]
 
     pairs = list(zip(qs, ss))
     results = []
@@ -668,7 +660,7 @@ def _avx2_int4_rows_loop(context, builder, signature, args, bits):
             phi.add_incoming(acc, before)
             phi.add_incoming(tail, inside)
             merged.append(phi)
-        return [_reduce8(builder, acc) for acc in merged]
+        return [_halving_sum(builder, acc) for acc in merged]
 
     pairs = list(zip(qs, ss))
     results = []
@@ -715,7 +707,7 @@ def _narrow_raw_rows_loop(context, builder, signature, args):
         total = accs[r * n_acc]
         for k in range(1, n_acc):
             total = builder.fadd(total, accs[r * n_acc + k])
-        sums.append(_reduce8(builder, total))
+        sums.append(_halving_sum(builder, total))
     return context.make_tuple(builder, signature.return_type, sums)
 
 
