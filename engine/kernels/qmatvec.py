@@ -72,16 +72,6 @@ def bf16_f32(typingctx, b):
 
 
 @intrinsic
-def _f32_from_bits(typingctx, b):
-    """The float32 whose bits are the int32 b."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], _F32)
-
-    return types.float32(types.int32), codegen
-
-
-@intrinsic
 def wide_vectors(typingctx):
     """Let LLVM use 512-bit registers in the calling function.
 
@@ -764,8 +754,9 @@ def _bits_of_impl(q):
 # --- x written as digits, one 64-group at a time in vector registers ------------------------
 # Written as numba loops the preparation stayed scalar (the digit stores may alias the
 # integers they come from, as far as LLVM knows), 1.3 us for a 2048-element x: a twentieth
-# of a 512x2048 int4 call from DRAM, with the memory idle. Here a group is four 16-lane
-# vectors from load to the last store (docs/benchmarks.md, Kernels).
+# of a 512x2048 int4 call from DRAM, with the memory idle. Here each group is vectors
+# from load to the last store, in two passes over the groups: the units, then the digits
+# and offsets (docs/benchmarks.md, Kernels).
 
 
 def _signed_digit(builder, v, vtype):
@@ -898,7 +889,7 @@ def _prepare_into(x, bits, digits, unit, corr):
     VNNI: per 64-byte block of a row, `digits` holds 3 digits x operands x 64
     bytes lined up with the weight bytes they multiply, `unit` the 16 lanes' units
     and `corr` the 16 lanes' integer offsets, a group at a time in vector registers
-    (`_emit_prepare_group`). Float path: `unit` = 8 * group sums (int4).
+    (`_emit_group_unit`, then `_emit_group_digits`). Float path: `unit` = 8 * group sums (int4).
     """
     wide_vectors()
     n_groups = x.shape[0] // GROUP
