@@ -22,7 +22,7 @@ CHANNELS = 2 * K_HEADS * DK + V_HEADS * DV
 def _inputs(seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     f = lambda *shape, s=1.0: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
-    return {"mixed": f(1, CHANNELS), "conv": f(3, CHANNELS, s=0.1), "conv_w": f(CHANNELS, 4, s=0.5),
+    return {"mixed": f(1, CHANNELS), "conv": f(3, CHANNELS, s=0.1), "taps": f(4, CHANNELS, s=0.5),
             "z": f(1, V_HEADS * DV, s=3.0), "b": f(1, V_HEADS), "a": f(1, V_HEADS),
             "a_log": np.log(rng.random(V_HEADS) * 8 + 0.5).astype(np.float32), "dt_bias": f(V_HEADS, s=0.5),
             "norm_w": f(DV, s=0.2), "state": f(V_HEADS, DK, DV, s=0.1)}
@@ -30,7 +30,7 @@ def _inputs(seed: int = 0) -> dict:
 
 def _run(inp: dict, z: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     state = inp["state"].copy()
-    gated_deltanet(inp["mixed"], inp["conv"].copy(), inp["conv_w"], z, inp["b"], inp["a"], inp["a_log"],
+    gated_deltanet(inp["mixed"], inp["conv"].copy(), inp["taps"], z, inp["b"], inp["a"], inp["a_log"],
                    inp["dt_bias"], inp["norm_w"], np.float32(1e-6), state, K_HEADS, V_HEADS, DK, DV, out)
     return out.copy(), state
 
@@ -59,7 +59,7 @@ def _prompt_inputs(tokens: int, seed: int = 1) -> dict:
 def _call(kernel, inp: dict, rows: slice, conv: np.ndarray, state: np.ndarray) -> np.ndarray:
     n = len(range(*rows.indices(inp["mixed"].shape[0])))
     out = np.empty((n, V_HEADS * DV), np.float32)
-    kernel(np.ascontiguousarray(inp["mixed"][rows]), conv, inp["conv_w"], np.ascontiguousarray(inp["z"][rows]),
+    kernel(np.ascontiguousarray(inp["mixed"][rows]), conv, inp["taps"], np.ascontiguousarray(inp["z"][rows]),
            np.ascontiguousarray(inp["b"][rows]), np.ascontiguousarray(inp["a"][rows]), inp["a_log"], inp["dt_bias"],
            inp["norm_w"], np.float32(1e-6), state, K_HEADS, V_HEADS, DK, DV, out)
     return out
@@ -91,7 +91,7 @@ def test_prompt_kernel_matches_a_float64_delta_rule(kernel):
     S = f8(inp["state"]).copy()
     key = K_HEADS * DK
     for t in range(9):
-        pre = (hist[t:t + 4] * f8(inp["conv_w"]).T).sum(0)
+        pre = (hist[t:t + 4] * f8(inp["taps"])).sum(0)
         x = pre / (1 + np.exp(-pre))
         q = x[:key].reshape(K_HEADS, DK)
         k = x[key:2 * key].reshape(K_HEADS, DK)
@@ -121,7 +121,7 @@ def test_fast_prompt_kernel_agrees_with_the_exact_one_across_state_blocks_and_ca
     rng = np.random.default_rng(5)
     f = lambda *shape, s=1.0: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
     mixed, z, b, a = f(tokens, channels), f(tokens, vh * dv, s=3.0), f(tokens, vh), f(tokens, vh)
-    conv0, conv_w, state0 = f(3, channels, s=0.1), f(channels, 4, s=0.5), f(vh, dk, dv, s=0.1)
+    conv0, taps, state0 = f(3, channels, s=0.1), f(4, channels, s=0.5), f(vh, dk, dv, s=0.1)
     a_log, dt_bias, norm_w = np.log(rng.random(vh) * 8 + 0.5).astype(np.float32), f(vh, s=0.5), f(dv, s=0.2)
 
     def run(kernel, cuts):
@@ -130,7 +130,7 @@ def test_fast_prompt_kernel_agrees_with_the_exact_one_across_state_blocks_and_ca
         for lo, hi in cuts:
             out = np.empty((hi - lo, vh * dv), np.float32)
             c = lambda v: np.ascontiguousarray(v[lo:hi])  # noqa: E731
-            kernel(c(mixed), conv, conv_w, c(z), c(b), c(a), a_log, dt_bias, norm_w, np.float32(1e-6), state,
+            kernel(c(mixed), conv, taps, c(z), c(b), c(a), a_log, dt_bias, norm_w, np.float32(1e-6), state,
                    kh, vh, dk, dv, out)
             outs.append(out)
         return np.concatenate(outs), conv, state

@@ -163,7 +163,7 @@ def attention_lines(lengths: list[int], decode_at: int, rng) -> list[str]:
 def deltanet_lines(lengths: list[int], rng) -> list[str]:
     lines = []
     channels = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM
-    conv_w = (0.3 * rng.standard_normal((channels, CONV))).astype(np.float32)
+    taps = (0.3 * rng.standard_normal((CONV, channels))).astype(np.float32)  # [K, C], as the layer holds them
     a_log = rng.standard_normal(V_HEADS).astype(np.float32)
     dt_bias = rng.standard_normal(V_HEADS).astype(np.float32)
     norm_w = np.ones(V_DIM, np.float32)
@@ -176,7 +176,7 @@ def deltanet_lines(lengths: list[int], rng) -> list[str]:
         def call():
             conv = np.zeros((CONV - 1, channels), np.float32)
             state = np.zeros((V_HEADS, K_DIM, V_DIM), np.float32)
-            gated_deltanet_prompt(mixed, conv, conv_w, z, b, a, a_log, dt_bias, norm_w, np.float32(1e-6), state,
+            gated_deltanet_prompt(mixed, conv, taps, z, b, a, a_log, dt_bias, norm_w, np.float32(1e-6), state,
                                   K_HEADS, V_HEADS, K_DIM, V_DIM, out)
 
         lines.append(f"deltanet T={n}: {1e3 * median_s(call, 5):.1f} ms")

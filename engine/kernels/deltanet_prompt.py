@@ -37,7 +37,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from tierlab.engine.kernels.dense import deltanet_gates, deltanet_head, deltanet_token_inputs
+from tierlab.engine.kernels.dense import deltanet_gates, deltanet_head, deltanet_token_inputs, gated_rmsnorm
 from tierlab.engine.kernels.fastexp import silu_f32
 from tierlab.engine.kernels.qmatmat import _f32_matrix
 from tierlab.engine.kernels.qmatvec import _fma, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, _splat
@@ -51,7 +51,7 @@ _FAST_OPTS = dict(_OPTS, error_model="numpy")
 
 
 @njit(**dict(_OPTS, parallel=True))
-def gated_deltanet_prompt_exact(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, eps,
+def gated_deltanet_prompt_exact(mixed, conv_state, taps, z, b, a, a_log, dt_bias, norm_w, eps,
                                 state, k_heads, v_heads, dk, dv, out):
     """`dense.gated_deltanet` for T tokens (same arguments, same bits), heads outermost."""
     t_count, channels = mixed.shape
@@ -61,7 +61,7 @@ def gated_deltanet_prompt_exact(mixed, conv_state, conv_w, z, b, a, a_log, dt_bi
     q = np.empty((t_count, k_heads, dk), dtype=np.float32)
     k = np.empty((t_count, k_heads, dk), dtype=np.float32)
     for t in range(t_count):
-        deltanet_token_inputs(t, mixed, conv_state, conv_w, k_heads, dk, conv_out[t], q[t], k[t])
+        deltanet_token_inputs(t, mixed, conv_state, taps, k_heads, dk, conv_out[t], q[t], k[t])
     for hv in prange(v_heads):
         for t in range(t_count):
             deltanet_head(hv, hv // ratio, t, conv_out[t], q[t], k[t], z, b, a, a_log, dt_bias, norm_w, eps,
@@ -69,12 +69,11 @@ def gated_deltanet_prompt_exact(mixed, conv_state, conv_w, z, b, a, a_log, dt_bi
 
 
 @njit(**dict(_FAST_OPTS, parallel=True))
-def prompt_conv(mixed, conv_state, conv_w, conv_out):
+def prompt_conv(mixed, conv_state, taps, conv_out):
     """conv_out [T, C] = SiLU(depthwise causal conv) of every token, conv_state moved on by T inputs."""
     t_count, channels = mixed.shape
-    ksize = conv_w.shape[1]
+    ksize = taps.shape[0]
     hist = ksize - 1
-    taps = np.ascontiguousarray(conv_w.T)  # [K, C]: each tap's weights side by side
     for blk in prange((channels + _CONV_CHANNELS - 1) // _CONV_CHANNELS):
         c0 = blk * _CONV_CHANNELS
         c1 = min(channels, c0 + _CONV_CHANNELS)
@@ -242,20 +241,8 @@ def _run_column_vectors(hv, hk, j0, conv_out, q, k, gates, kq, vbase, state, o):
             state[hv, i, j0 + jj] = st[i, jj]
 
 
-@njit(**_FAST_OPTS)
-def _gated_rmsnorm_rows(o, z, norm_w, eps, t, base, out):
-    """`dense.gated_rmsnorm` with `fastexp.silu_f32` (a vectorised loop) for the fast path."""
-    dv = o.shape[0]
-    ss = np.float32(0.0)
-    for j in range(dv):
-        ss += o[j] * o[j]
-    inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
-    for j in range(dv):
-        out[t, base + j] = norm_w[j] * (o[j] * inv) * silu_f32(z[t, base + j])
-
-
 @njit(**dict(_FAST_OPTS, parallel=True))
-def gated_deltanet_prompt(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, eps,
+def gated_deltanet_prompt(mixed, conv_state, taps, z, b, a, a_log, dt_bias, norm_w, eps,
                           state, k_heads, v_heads, dk, dv, out):
     """`dense.gated_deltanet` for T tokens (same arguments, results within float32 rounding),
     each block of a head's state columns through all the tokens on one thread."""
@@ -263,7 +250,7 @@ def gated_deltanet_prompt(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, no
     key_dim = k_heads * dk
     ratio = v_heads // k_heads
     conv_out = np.empty((t_count, channels), dtype=np.float32)
-    prompt_conv(mixed, conv_state, conv_w, conv_out)
+    prompt_conv(mixed, conv_state, taps, conv_out)
     q = np.empty((t_count, k_heads, dk), dtype=np.float32)
     k = np.empty((t_count, k_heads, dk), dtype=np.float32)
     prompt_qk(conv_out, k_heads, dk, q, k)
@@ -290,4 +277,4 @@ def gated_deltanet_prompt(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, no
             _run_columns(hv, hv // ratio, j0, dv, conv_out, q, k, gates, kq, 2 * key_dim + hv * dv, state, o[hv])
     for t in prange(t_count):
         for hv in range(v_heads):
-            _gated_rmsnorm_rows(o[hv, t], z, norm_w, eps, t, hv * dv, out)
+            gated_rmsnorm(o[hv, t], z, norm_w, eps, t, hv * dv, out)

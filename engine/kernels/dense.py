@@ -17,7 +17,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from tierlab.engine.kernels.fastexp import FAST_EXACT
+from tierlab.engine.kernels.fastexp import FAST_EXACT, silu_f32
 from tierlab.engine.kernels.qmatmat import matmat_bf16
 from tierlab.engine.kernels.qmatvec import (_I32, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, matvec_bf16,
                                             matvec_fp32, matvec_stack)
@@ -221,13 +221,13 @@ _CONV_CHANNELS = 512  # channels per parallel step of a decoded token's conv
 
 
 @njit(nogil=True, fastmath=True, cache=True, parallel=True)
-def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, eps,
+def gated_deltanet(mixed, conv_state, taps, z, b, a, a_log, dt_bias, norm_w, eps,
                    state, k_heads, v_heads, dk, dv, out):
     """Gated DeltaNet over T tokens, updating conv and recurrent state in place.
 
     mixed: [T, C] the in_proj_qkv outputs (rows q | k | v), C = 2*k_heads*dk + v_heads*dv
     conv_state: [K-1, C] the previous K-1 inputs (zeros at the start)
-    conv_w: [C, K] depthwise causal kernel, last tap = current token
+    taps: [K, C] depthwise causal kernel tap by tap, last tap = current token
     z: [T, v_heads*dv]; b, a: [T, v_heads]
     state: [v_heads, dk, dv] float32 recurrent state
     out: [T, v_heads*dv] gated-normed output before out_proj
@@ -244,7 +244,7 @@ def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, e
     for t in range(t_count):
         for blk in prange((channels + _CONV_CHANNELS - 1) // _CONV_CHANNELS):
             deltanet_conv(t, blk * _CONV_CHANNELS, min(channels, (blk + 1) * _CONV_CHANNELS), mixed, conv_state,
-                          conv_w, conv_out)
+                          taps, conv_out)
         deltanet_qk(conv_out, k_heads, dk, q, k)
         for hv in prange(v_heads):  # value heads are independent given q and k
             deltanet_head(hv, hv // ratio, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state,
@@ -252,30 +252,36 @@ def gated_deltanet(mixed, conv_state, conv_w, z, b, a, a_log, dt_bias, norm_w, e
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def deltanet_token_inputs(t, mixed, conv_state, conv_w, k_heads, dk, conv_out, q, k):
+def deltanet_token_inputs(t, mixed, conv_state, taps, k_heads, dk, conv_out, q, k):
     """Token t's conv output (depthwise causal conv then SiLU; conv_state moves on by one input)
     and its L2-normalised q (scaled by 1/sqrt(dk)) and k per key head, on one thread."""
-    deltanet_conv(t, 0, mixed.shape[1], mixed, conv_state, conv_w, conv_out)
+    deltanet_conv(t, 0, mixed.shape[1], mixed, conv_state, taps, conv_out)
     deltanet_qk(conv_out, k_heads, dk, q, k)
 
 
-@njit(nogil=True, fastmath=True, cache=True)
-def deltanet_conv(t, c0, c1, mixed, conv_state, conv_w, conv_out):
+@njit(nogil=True, fastmath=FAST_EXACT, cache=True, error_model="numpy")
+def deltanet_conv(t, c0, c1, mixed, conv_state, taps, conv_out):
     """Channels c0..c1-1 of token t's conv output (depthwise causal conv then SiLU); their
-    conv_state moves on by one input. Channels are independent, so threads may share them."""
-    ksize = conv_w.shape[1]
-    for c in range(c0, c1):
-        acc = np.float32(0.0)
-        for j in range(ksize - 1):
-            acc += conv_w[c, j] * conv_state[j, c]
-        acc += conv_w[c, ksize - 1] * mixed[t, c]
-        conv_out[c] = acc / (np.float32(1.0) + np.float32(math.exp(-acc)))
+    conv_state moves on by one input. Channels are independent, so threads may share them.
+
+    Each channel sums its taps in order, oldest input first, as a prompt's conv does; the
+    channels run tap by tap across the lanes and the SiLU is `fastexp.silu_f32`, so both
+    loops vectorise (numba's `math.exp` is the C library's scalar expf). FAST_EXACT keeps the
+    written order of the sums in the loops' vector and scalar copies alike."""
+    ksize = taps.shape[0]
+    n = c1 - c0
+    acc = np.zeros(n, dtype=np.float32)
+    for j in range(ksize - 1):  # slices indexed from 0: no wraparound branch to stop the vectoriser
+        tap, held = taps[j, c0:c1], conv_state[j, c0:c1]
+        for i in range(n):
+            acc[i] += tap[i] * held[i]
+    tap, now, result = taps[ksize - 1, c0:c1], mixed[t, c0:c1], conv_out[c0:c1]
+    for i in range(n):
+        result[i] = silu_f32(acc[i] + tap[i] * now[i])
     for j in range(ksize - 2):
-        for c in range(c0, c1):
-            conv_state[j, c] = conv_state[j + 1, c]
+        conv_state[j, c0:c1] = conv_state[j + 1, c0:c1]
     if ksize > 1:
-        for c in range(c0, c1):
-            conv_state[ksize - 2, c] = mixed[t, c]
+        conv_state[ksize - 2, c0:c1] = now
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -339,16 +345,22 @@ def deltanet_gates(t, hv, b, a, a_log, dt_bias):
     return beta, np.float32(math.exp(g))
 
 
-@njit(nogil=True, fastmath=True, cache=True)
+@njit(nogil=True, fastmath=True, cache=True, error_model="numpy")
 def gated_rmsnorm(o, z, norm_w, eps, t, base, out):
-    """out[t, base:base+dv] = RMSNorm(o) (plain weight) * silu(z[t, base:base+dv]) for one head's o [dv]."""
+    """out[t, base:base+dv] = RMSNorm(o) (plain weight) * silu(z[t, base:base+dv]) for one head's o [dv].
+
+    The SiLU is `fastexp.silu_f32` and numba's division checks are off (error_model
+    "numpy"), so the loop vectorises: with the C library's scalar expf, the 128 SiLUs of
+    each head took a third of a decoded DeltaNet layer's recurrence (docs/benchmarks.md,
+    "The DeltaNet recurrence's SiLUs vectorised"). Decode, the exact prompt path and the
+    fast one all normalise through this function."""
     dv = o.shape[0]
     ss = np.float32(0.0)
     for j in range(dv):
         ss += o[j] * o[j]
     inv = np.float32(1.0 / math.sqrt(ss / dv + eps))
     for j in range(dv):
-        out[t, base + j] = norm_w[j] * (o[j] * inv) * _silu(z[t, base + j])
+        out[t, base + j] = norm_w[j] * (o[j] * inv) * silu_f32(z[t, base + j])
 
 
 @njit(nogil=True, fastmath=False, cache=True)

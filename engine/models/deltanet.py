@@ -58,7 +58,10 @@ class GatedDeltaNet:
             ckpt.load(p + "in_proj_a.weight", (vh, H)),
         ])
         self.splits = (C, C + vh * dv, C + vh * dv + vh)  # where z, b and a start in the fused output
-        self.conv_w = np.ascontiguousarray(ckpt.load_f32(p + "conv1d.weight", (C, 1, cfg.conv_kernel)).reshape(C, cfg.conv_kernel))
+        # the depthwise conv kernel tap by tap, [K, C] (the checkpoint has [C, 1, K]): each tap's
+        # weights side by side, so the conv runs across channels in the vector lanes
+        conv_w = ckpt.load_f32(p + "conv1d.weight", (C, 1, cfg.conv_kernel)).reshape(C, cfg.conv_kernel)
+        self.conv_taps = np.ascontiguousarray(conv_w.T)
         self.a_log = ckpt.load_f32(p + "A_log", (vh,))
         self.dt_bias = ckpt.load_f32(p + "dt_bias", (vh,))
         self.norm_w = ckpt.load_f32(p + "norm.weight", (dv,))
@@ -84,7 +87,7 @@ class GatedDeltaNet:
         else:
             kernel = gated_deltanet_prompt_exact if exact else gated_deltanet_prompt
         kernel(
-            np.ascontiguousarray(mixed), state.conv, self.conv_w, np.ascontiguousarray(z),
+            np.ascontiguousarray(mixed), state.conv, self.conv_taps, np.ascontiguousarray(z),
             np.ascontiguousarray(b), np.ascontiguousarray(a), self.a_log, self.dt_bias, self.norm_w,
             np.float32(cfg.rms_eps), state.recurrent, cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, out,
         )
