@@ -217,8 +217,6 @@ def _softplus(v):
     return np.float32(math.log1p(math.exp(v)))
 
 
-_CONV_CHANNELS = 512  # channels per parallel step of a decoded token's conv
-
 
 @njit(nogil=True, fastmath=True, cache=True, parallel=True)
 def gated_deltanet(mixed, conv_state, taps, z, b, a, a_log, dt_bias, norm_w, eps,
@@ -232,8 +230,12 @@ def gated_deltanet(mixed, conv_state, taps, z, b, a, a_log, dt_bias, norm_w, eps
     state: [v_heads, dk, dv] float32 recurrent state
     out: [T, v_heads*dv] gated-normed output before out_proj
 
-    The conv runs on all threads too: its SiLU is a scalar expf per channel, which on one
-    thread took a quarter of a decoded token's kernel (docs/benchmarks.md, Decode).
+    A token is one launch: each key head's work item convolves its q and k channels and
+    the channels of the value heads that share it, normalises its q and k, then runs those
+    value heads. The items' channels are disjoint and together all of them, so the conv,
+    the norms and the heads give the bits they give one after another (the exact prompt
+    path, `deltanet_token_inputs`), with no serial step and one thread launch instead of two
+    (docs/benchmarks.md, "The DeltaNet recurrence in one launch").
     """
     t_count, channels = mixed.shape
     key_dim = k_heads * dk
@@ -242,13 +244,15 @@ def gated_deltanet(mixed, conv_state, taps, z, b, a, a_log, dt_bias, norm_w, eps
     q = np.empty((k_heads, dk), dtype=np.float32)
     k = np.empty((k_heads, dk), dtype=np.float32)
     for t in range(t_count):
-        for blk in prange((channels + _CONV_CHANNELS - 1) // _CONV_CHANNELS):
-            deltanet_conv(t, blk * _CONV_CHANNELS, min(channels, (blk + 1) * _CONV_CHANNELS), mixed, conv_state,
-                          taps, conv_out)
-        deltanet_qk(conv_out, k_heads, dk, q, k)
-        for hv in prange(v_heads):  # value heads are independent given q and k
-            deltanet_head(hv, hv // ratio, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state,
-                          2 * key_dim + hv * dv, dv, out)
+        for hk in prange(k_heads):
+            v0 = 2 * key_dim + hk * ratio * dv
+            deltanet_conv(t, hk * dk, (hk + 1) * dk, mixed, conv_state, taps, conv_out)
+            deltanet_conv(t, key_dim + hk * dk, key_dim + (hk + 1) * dk, mixed, conv_state, taps, conv_out)
+            deltanet_conv(t, v0, v0 + ratio * dv, mixed, conv_state, taps, conv_out)
+            deltanet_qk_head(conv_out, hk, dk, key_dim, q, k)
+            for hv in range(hk * ratio, (hk + 1) * ratio):
+                deltanet_head(hv, hk, t, conv_out, q, k, z, b, a, a_log, dt_bias, norm_w, eps, state,
+                              2 * key_dim + hv * dv, dv, out)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
@@ -287,21 +291,27 @@ def deltanet_conv(t, c0, c1, mixed, conv_state, taps, conv_out):
 @njit(nogil=True, fastmath=True, cache=True)
 def deltanet_qk(conv_out, k_heads, dk, q, k):
     """The L2-normalised q (scaled by 1/sqrt(dk)) and k of each key head, from the conv output."""
-    key_dim = k_heads * dk
-    q_scale = np.float32(1.0 / math.sqrt(dk))
     for hk in range(k_heads):
-        sq = np.float32(0.0)
-        sk = np.float32(0.0)
-        for i in range(dk):
-            qv = conv_out[hk * dk + i]
-            kv = conv_out[key_dim + hk * dk + i]
-            sq += qv * qv
-            sk += kv * kv
-        iq = np.float32(1.0 / math.sqrt(sq + 1e-6)) * q_scale
-        ik = np.float32(1.0 / math.sqrt(sk + 1e-6))
-        for i in range(dk):
-            q[hk, i] = conv_out[hk * dk + i] * iq
-            k[hk, i] = conv_out[key_dim + hk * dk + i] * ik
+        deltanet_qk_head(conv_out, hk, dk, k_heads * dk, q, k)
+
+
+@njit(nogil=True, fastmath=FAST_EXACT, cache=True, error_model="numpy")
+def deltanet_qk_head(conv_out, hk, dk, key_dim, q, k):
+    """Key head hk's L2-normalised q (scaled by 1/sqrt(dk)) and k. FAST_EXACT: the sums of
+    squares in written order, whichever loop this is compiled into."""
+    q_scale = np.float32(1.0 / math.sqrt(dk))
+    sq = np.float32(0.0)
+    sk = np.float32(0.0)
+    for i in range(dk):
+        qv = conv_out[hk * dk + i]
+        kv = conv_out[key_dim + hk * dk + i]
+        sq += qv * qv
+        sk += kv * kv
+    iq = np.float32(1.0 / math.sqrt(sq + 1e-6)) * q_scale
+    ik = np.float32(1.0 / math.sqrt(sk + 1e-6))
+    for i in range(dk):
+        q[hk, i] = conv_out[hk * dk + i] * iq
+        k[hk, i] = conv_out[key_dim + hk * dk + i] * ik
 
 
 @njit(nogil=True, fastmath=True, cache=True)
