@@ -235,7 +235,7 @@ def gated_deltanet(mixed, conv_state, taps, z, b, a, a_log, dt_bias, norm_w, eps
     value heads. The items' channels are disjoint and together all of them, so the conv,
     the norms and the heads give the bits they give one after another (the exact prompt
     path, `deltanet_token_inputs`), with no serial step and one thread launch instead of two
-    (docs/benchmarks.md, "The DeltaNet recurrence in one launch").
+    (docs/benchmarks.md, "The DeltaNet recurrence: SiLUs vectorised, one launch a token").
     """
     t_count, channels = mixed.shape
     key_dim = k_heads * dk
@@ -360,10 +360,10 @@ def gated_rmsnorm(o, z, norm_w, eps, t, base, out):
     """out[t, base:base+dv] = RMSNorm(o) (plain weight) * silu(z[t, base:base+dv]) for one head's o [dv].
 
     The SiLU is `fastexp.silu_f32` and numba's division checks are off (error_model
-    "numpy"), so the loop vectorises: with the C library's scalar expf, the 128 SiLUs of
-    each head took a third of a decoded DeltaNet layer's recurrence (docs/benchmarks.md,
-    "The DeltaNet recurrence's SiLUs vectorised"). Decode, the exact prompt path and the
-    fast one all normalise through this function."""
+    "numpy"), so the loop vectorises; with the C library's scalar expf a token's value
+    heads took 18% longer (docs/benchmarks.md, "The DeltaNet recurrence: SiLUs
+    vectorised, one launch a token"). Decode, the exact prompt path and the fast one all
+    normalise through this function."""
     dv = o.shape[0]
     ss = np.float32(0.0)
     for j in range(dv):
