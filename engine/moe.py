@@ -118,19 +118,29 @@ class MoEBlock:
         E, S = self.cfg.n_experts, self.cfg.shared_inter
         logits_all = fused[:, :E]
         timers["router"] += time.perf_counter() - t0
+        # the shared expert needs only the router block's output: its down projection runs
+        # next to it, while the stream of small reads goes on (docs/benchmarks.md, "The shared
+        # expert beside the router"); its term is added after the routed experts, as before
+        shared = self._shared_expert(fused, E, S, timers) if self.shared_down is not None else None
         out = np.zeros((T, H), dtype=np.float32)
         if T > 1 and self._can_group(ctx):
             routes = self._grouped_experts(x, logits_all, out, ctx, last_row_only)
         else:
             routes = self._token_by_token(x, logits_all, out, ctx)
-        if self.shared_down is not None:
-            t2 = time.perf_counter()
-            g, u, sg = fused[:, E:E + S], fused[:, E + S:E + 2 * S], fused[:, E + 2 * S]
-            h = np.ascontiguousarray(g / (1.0 + np.exp(-g)) * u, dtype=np.float32)
-            gate = 1.0 / (1.0 + np.exp(-sg))
-            out += (gate[:, None] * linear(self.shared_down, h)).astype(np.float32)
-            timers["shared"] += time.perf_counter() - t2
+        if shared is not None:
+            out += shared
         return out, routes
+
+    def _shared_expert(self, fused: np.ndarray, E: int, S: int, timers) -> np.ndarray:
+        """sigmoid(gate) * down(silu(g) * u) of the shared expert, from the router block's output
+        [T, E + 2S + 1] (router logits | g | u | gate)."""
+        t0 = time.perf_counter()
+        g, u, sg = fused[:, E:E + S], fused[:, E + S:E + 2 * S], fused[:, E + 2 * S]
+        h = np.ascontiguousarray(g / (1.0 + np.exp(-g)) * u, dtype=np.float32)
+        gate = 1.0 / (1.0 + np.exp(-sg))
+        term = (gate[:, None] * linear(self.shared_down, h)).astype(np.float32)
+        timers["shared"] += time.perf_counter() - t0
+        return term
 
     def _token_by_token(self, x: np.ndarray, logits_all: np.ndarray, out: np.ndarray, ctx) -> list[LayerRoute]:
         """Route and compute each token in turn (decode, and prompts when experts can be evicted)."""
