@@ -4,8 +4,8 @@
 Why: in situ the recurrence shares the token with a hundred other calls; here it
 runs by itself, with its 2 MiB state either the same every call (hot: in L2)
 or rotating through 150 states (300 MiB: from DRAM, as decode meets it), and
-the conv and the value heads are timed apart (each as one parallel loop of the
-kernel's own functions). Median microseconds a call:
+the conv (in blocks of 512 channels) and the value heads are timed apart, each
+as one parallel loop of the kernel's own functions. Median microseconds a call:
 
     .venv/bin/python tools/deltanet_decode_bench.py [--rounds 2]
 """

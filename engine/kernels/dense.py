@@ -203,19 +203,10 @@ def _sigmoid(v):
 
 
 @njit(nogil=True, fastmath=False, cache=True)
-def _silu(v):
-    """v * sigmoid(v) with an exact division: under fastmath LLVM divides with a reciprocal
-    estimate in a vectorised loop but exactly in the loop's scalar copy, and which of the two
-    runs depends on where the arrays lie in memory."""
-    return v / (np.float32(1.0) + np.float32(math.exp(-v)))
-
-
-@njit(nogil=True, fastmath=False, cache=True)
 def _softplus(v):
     if v > 20.0:
         return v
     return np.float32(math.log1p(math.exp(v)))
-
 
 
 @njit(nogil=True, fastmath=True, cache=True, parallel=True)
