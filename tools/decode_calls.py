@@ -74,6 +74,26 @@ def instrument() -> None:
     model.Engine._count_routes = _timed(model.Engine._count_routes, "heat counts (_count_routes)")
 
 
+def timed_warm_decode(model: str, tokens: int, rounds: int, before_timed) -> float:
+    """Seconds of the last of `rounds` greedy decodes of `tokens` tokens, each after a fresh
+    16-token random prompt and 16 untimed steps (the slots warm, as in a chat);
+    `before_timed()` runs just before each timed decode (to empty the tallies)."""
+    engine = EngineOptions(model=model).open(with_tokenizer=False)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, engine.config.vocab_size, 16)]
+    elapsed = 0.0
+    for _ in range(rounds):
+        engine.reset()
+        logits = engine.prefill(prompt)
+        for _ in range(16):
+            logits = engine.step(int(np.argmax(logits)))
+        before_timed()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            logits = engine.step(int(np.argmax(logits)))
+        elapsed = time.perf_counter() - t0
+    return elapsed
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -81,19 +101,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4, help="decodes of --tokens; the last one is reported")
     a = p.parse_args()
     instrument()
-    engine = EngineOptions(model=a.model).open(with_tokenizer=False)
-    prompt = [int(t) for t in np.random.default_rng(0).integers(0, engine.config.vocab_size, 16)]
-    elapsed = 0.0
-    for _ in range(a.rounds):
-        engine.reset()
-        logits = engine.prefill(prompt)
-        for _ in range(16):  # the slots warm, as in a chat
-            logits = engine.step(int(np.argmax(logits)))
-        _TOTALS.clear()
-        t0 = time.perf_counter()
-        for _ in range(a.tokens):
-            logits = engine.step(int(np.argmax(logits)))
-        elapsed = time.perf_counter() - t0
+    elapsed = timed_warm_decode(a.model, a.tokens, a.rounds, _TOTALS.clear)
     n = a.tokens
     print(f"model {a.model}: {1000 * elapsed / n:.3f} ms/token over {n} warm decode tokens (instrumented)")
     print(f"| {'call':<58} | calls/token | us/call | ms/token |")

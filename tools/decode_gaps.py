@@ -20,10 +20,10 @@ import importlib
 import pkgutil
 import time
 
-import numpy as np
 from numba.core.registry import CPUDispatcher
 
 import tierlab.engine as engine_package
+from decode_calls import timed_warm_decode  # tools/ is on sys.path when a tool runs
 
 _SPENT: dict[str, float] = collections.defaultdict(float)
 _CALLS: collections.Counter = collections.Counter()
@@ -73,23 +73,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="decodes of --tokens; the last one is reported")
     a = p.parse_args()
     instrument()
-    from tierlab.engine.options import EngineOptions
 
-    engine = EngineOptions(model=a.model).open(with_tokenizer=False)
-    prompt = [int(t) for t in np.random.default_rng(0).integers(0, engine.config.vocab_size, 16)]
-    wall = 0.0
-    for _ in range(a.rounds):
-        engine.reset()
-        logits = engine.prefill(prompt)
-        for _ in range(16):  # the slots warm, as in a chat
-            logits = engine.step(int(np.argmax(logits)))
+    def empty_tallies() -> None:
         for table in (_SPENT, _CALLS, _GAPS, _GAP_COUNT):
             table.clear()
         _LAST[0], _LAST[1] = "start", time.perf_counter()
-        t0 = time.perf_counter()
-        for _ in range(a.tokens):
-            logits = engine.step(int(np.argmax(logits)))
-        wall = time.perf_counter() - t0
+
+    wall = timed_warm_decode(a.model, a.tokens, a.rounds, empty_tallies)
     n = a.tokens
     inside = sum(_SPENT.values())
     print(f"model {a.model}: {1e3 * wall / n:.3f} ms a token, {1e3 * inside / n:.3f} ms in "
