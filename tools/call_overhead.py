@@ -23,18 +23,18 @@ from tierlab.engine.kernels import qmatvec as Q
 
 
 @njit(nogil=True)
-def _serial_noop(a, b, c, d, x, out, mode, w):
+def _serial_noop(a, b, c, d, x, out, mode, w, threads):
     out[0] = x[0]
 
 
 @njit(nogil=True, parallel=True)
-def _parallel_noop(a, b, c, d, x, out, mode, w):
+def _parallel_noop(a, b, c, d, x, out, mode, w, threads):
     for i in prange(2):
         out[i] = x[i]
 
 
 @njit(nogil=True)
-def _prepare_only(a, b, c, d, x, out, mode, w):
+def _prepare_only(a, b, c, d, x, out, mode, w, threads):
     _digits, unit, _corr = Q._prepare_x(x, 4)
     out[0] = unit[0]
 
@@ -59,7 +59,7 @@ def main() -> int:
     q, s = B._random_operands("int4", 8, a.cols, 1, np.random.default_rng(0))[0]
     x = np.random.default_rng(1).standard_normal(a.cols, dtype=np.float32)
     y = np.empty(8, np.float32)
-    args = (q, s, q, s, x, y, Q.SET, 1.0)
+    args = (q, s, q, s, x, y, Q.SET, 1.0, numba.get_num_threads())
     rows = [
         ("matvec_int4 (what the engine calls)", lambda: Q.matvec_int4(q, s, x, y)),
         ("the kernel called directly (no Python checks)", lambda: Q._pass(*args)),

@@ -44,7 +44,9 @@ import os
 # before numba's pool starts.
 
 import numpy as np
+import numba
 from llvmlite import ir
+from numba.np.ufunc import parallel as _numba_parallel
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -278,6 +280,30 @@ def _prefetch(builder, ptr, offset):
         builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
     at = builder.gep(builder.bitcast(ptr, _I8.as_pointer()), [offset])
     builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, _PREFETCH_LOCALITY), ir.Constant(_I32, 1)])
+
+
+@intrinsic
+def _prefetch_head(typingctx, a, r0, nbytes):
+    """Prefetch `nbytes` of a 2-D array from the start of row r0, a line at a time (the
+    head of a thread's rows, while it prepares x: see `_pass`)."""
+    if not (isinstance(a, types.Array) and a.ndim == 2 and isinstance(r0, types.Integer)
+            and isinstance(nbytes, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        start = _row_start(context, builder, arr, args[1], signature.args[1])
+        n = context.cast(builder, args[2], signature.args[2], types.int64)
+        lines = builder.sdiv(builder.add(n, ir.Constant(_I64, 63)), ir.Constant(_I64, 64))
+
+        def body(i, carried):
+            _prefetch(builder, start, builder.mul(i, ir.Constant(_I64, 64)))
+            return carried
+
+        _counted_loop(builder, lines, [ir.Constant(_I64, 0)], body)
+        return context.get_dummy_value()
+
+    return types.none(a, r0, nbytes), codegen
 
 
 def _halving_sum(builder, vec):
@@ -993,14 +1019,33 @@ def _first_left_over(mode, rows):
     return rows - rows % (2 if mode == GATE_UP else 4)
 
 
+@njit(**_SERIAL)
+def _thread_steps(steps, t, threads):
+    """Thread t's contiguous share [s0, s1) of `steps`, as prange's static split gives it."""
+    return steps * t // threads, steps * (t + 1) // threads
+
+
+# A SET/ADD pass runs one work item per thread over a contiguous share of the steps: the
+# thread first prefetches the head of its rows (up to _HEAD_BYTES, quantised weights only),
+# then prepares its own copy of x while those lines arrive, then dots its rows. Preparing x
+# once before the parallel loop kept both threads waiting for it with nothing in flight;
+# each thread's first rows then started from DRAM with the prefetches not yet ahead
+# (docs/benchmarks.md, Kernels: "x prepared by each thread"). The rows' results are the
+# same bits whichever thread computes them.
+_HEAD_BYTES = 8192
+
+
 @njit(**_PARALLEL)
-def _pass(qa, sa, qb, sb, x, out, mode, w):
-    """Weights of any kind (see _rows_dot; fp32 and bf16 pass their weights as scales)."""
+def _pass(qa, sa, qb, sb, x, out, mode, w, threads):
+    """Weights of any kind (see _rows_dot; fp32 and bf16 pass their weights as scales);
+    `threads`: numba's thread count, from the caller (read inside, it would keep the
+    function out of numba's disk cache)."""
     wide_vectors()
     wf = np.float32(w)
-    digits, unit, corr = _prepare_x(x, _bits_of(qa))
+    bits = _bits_of(qa)
     ahead = _ahead_bytes(qa, mode)
     if mode == GATE_UP:
+        digits, unit, corr = _prepare_x(x, bits)
         for p in prange(qa.shape[0] // 2):
             r = 2 * p
             g0, g1, u0, u1 = _columns_left(
@@ -1008,12 +1053,22 @@ def _pass(qa, sa, qb, sb, x, out, mode, w):
             out[r] = _silu_mul(g0, u0)
             out[r + 1] = _silu_mul(g1, u1)
     else:
-        for p in prange(qa.shape[0] // 4):
-            r = 4 * p
-            v0, v1, v2, v3 = _columns_left(
-                qa, qa, r, r + 1, r + 2, r + 3, x,
-                *_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x, digits, unit, corr, ahead))
-            _store4(out, r, v0, v1, v2, v3, wf, mode == ADD)
+        steps = qa.shape[0] // 4
+        for t in prange(threads):
+            s0, s1 = _thread_steps(steps, t, threads)
+            if s1 > s0:
+                if bits:
+                    _prefetch_head(qa, 4 * s0, min(_HEAD_BYTES, (s1 - s0) * 4 * qa.strides[0]))
+                dt, ut, ct = _prepare_x(x, bits)
+                for p in range(s0, s1):
+                    r = 4 * p
+                    v0, v1, v2, v3 = _columns_left(
+                        qa, qa, r, r + 1, r + 2, r + 3, x,
+                        *_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x, dt, ut, ct, ahead))
+                    _store4(out, r, v0, v1, v2, v3, wf, mode == ADD)
+        if _first_left_over(mode, qa.shape[0]) == qa.shape[0]:
+            return
+        digits, unit, corr = _prepare_x(x, bits)
     for r in range(_first_left_over(mode, qa.shape[0]), qa.shape[0]):
         va, _, vb, _ = _columns_left(qa, qb, r, r, r, r, x,
                                      *_rows_dot(qa, sa, qb, sb, r, r, r, r, x, digits, unit, corr, ahead))
@@ -1235,6 +1290,15 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
 # time (docs/benchmarks.md, Kernels: cold compile) to save microseconds per call.
 
 
+def _thread_count() -> int:
+    """numba's thread count for the calling thread, for `_pass`. numba.get_num_threads()
+    costs 0.6 us a call (it makes sure the pool runs, every time); once the pool runs,
+    the getter it wraps costs 0.08 us."""
+    fast = getattr(_numba_parallel, "_get_num_threads", None)
+    count = fast() if fast is not None else 0
+    return count if count > 0 else numba.get_num_threads()
+
+
 def _f32(x: np.ndarray) -> np.ndarray:
     """x as C-contiguous float32 (no copy when it already is)."""
     return np.ascontiguousarray(x, dtype=np.float32)
@@ -1255,25 +1319,25 @@ def _check_expert(blob: np.ndarray, nbytes: int, hidden: int, x: np.ndarray, y: 
 def matvec_fp32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for float32 w [rows, cols] (C-contiguous)."""
     _check_matvec(w.shape[0], w.shape[1], x, out)
-    _pass(w, w, w, w, _f32(x), out, SET, 1.0)
+    _pass(w, w, w, w, _f32(x), out, SET, 1.0, _thread_count())
 
 
 def matvec_bf16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for bf16 w stored as uint16 [rows, cols]."""
     _check_matvec(w.shape[0], w.shape[1], x, out)
-    _pass(w, w, w, w, _f32(x), out, SET, 1.0)
+    _pass(w, w, w, w, _f32(x), out, SET, 1.0, _thread_count())
 
 
 def matvec_int8(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q int8 [rows, cols], scales float32 [rows, cols/64]."""
     _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
-    _pass(q, scales, q, scales, _f32(x), out, SET, 1.0)
+    _pass(q, scales, q, scales, _f32(x), out, SET, 1.0, _thread_count())
 
 
 def matvec_int4(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = dequant(q, scales) @ x; q planar-nibble uint8 [rows, cols/2], scales [rows, cols/64]."""
     _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
-    _pass(q, scales, q, scales, _f32(x), out, SET, 1.0)
+    _pass(q, scales, q, scales, _f32(x), out, SET, 1.0, _thread_count())
 
 
 def stack_parts(parts: list) -> tuple | None:
@@ -1347,8 +1411,8 @@ def _expert_forward(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.
                     w: float) -> None:
     qg, sg, qu, su, qd, sd = _expert_parts(kind, blob, hidden, inter, x, y)
     h = np.empty(inter, np.float32)
-    _pass(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0)
-    _pass(qd, sd, qd, sd, h, y, ADD, float(w))
+    _pass(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0, _thread_count())
+    _pass(qd, sd, qd, sd, h, y, ADD, float(w), _thread_count())
 
 
 def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
