@@ -275,7 +275,8 @@ class Engine:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("forward needs at least one token")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+        low, high = (int(ids[0]),) * 2 if ids.size == 1 else (int(ids.min()), int(ids.max()))  # decode: no reductions
+        if low < 0 or high >= self.config.vocab_size:
             raise ModelError(f"token id out of range 0..{self.config.vocab_size - 1}")
         context = self.config.max_positions
         if context and self.pos + ids.size > context:

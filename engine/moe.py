@@ -21,7 +21,7 @@ from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
 from tierlab.engine.kernels.dense import (PAIRWISE_BLOCK, add_weighted, add_weighted_rows, linear, route_rows,
-                                          softmax_row)
+                                          shared_expert_inputs, softmax_row)
 
 
 class SwiGLU:
@@ -135,10 +135,12 @@ class MoEBlock:
         """sigmoid(gate) * down(silu(g) * u) of the shared expert, from the router block's output
         [T, E + 2S + 1] (router logits | g | u | gate)."""
         t0 = time.perf_counter()
-        g, u, sg = fused[:, E:E + S], fused[:, E + S:E + 2 * S], fused[:, E + 2 * S]
-        h = np.ascontiguousarray(g / (1.0 + np.exp(-g)) * u, dtype=np.float32)
-        gate = 1.0 / (1.0 + np.exp(-sg))
-        term = (gate[:, None] * linear(self.shared_down, h)).astype(np.float32)
+        T = fused.shape[0]
+        h = np.empty((T, S), dtype=np.float32)
+        gate = np.empty(T, dtype=np.float32)
+        shared_expert_inputs(fused, E, S, h, gate)
+        term = linear(self.shared_down, h)
+        term *= gate[:, None]
         timers["shared"] += time.perf_counter() - t0
         return term
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
-from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace
+from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace, sigmoid_gate
 from tierlab.engine.kernels.prompt_attention import attention_tiles
 
 
@@ -108,5 +108,5 @@ class Attention:
         (attention_tiles if tiled else attention)(q, cache.k, cache.v, start, out)
         out = out.reshape(T, nh * d)
         if gate is not None:
-            out = out * (1.0 / (1.0 + np.exp(-gate)))
-        return linear(self.wo, np.ascontiguousarray(out, dtype=np.float32))
+            sigmoid_gate(out, gate)
+        return linear(self.wo, out)
