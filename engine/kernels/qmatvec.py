@@ -1411,8 +1411,9 @@ def _expert_forward(kind: str, blob: np.ndarray, hidden: int, inter: int, x: np.
                     w: float) -> None:
     qg, sg, qu, su, qd, sd = _expert_parts(kind, blob, hidden, inter, x, y)
     h = np.empty(inter, np.float32)
-    _pass(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0, _thread_count())
-    _pass(qd, sd, qd, sd, h, y, ADD, float(w), _thread_count())
+    threads = _thread_count()
+    _pass(qg, sg, qu, su, _f32(x), h, GATE_UP, 1.0, threads)
+    _pass(qd, sd, qd, sd, h, y, ADD, float(w), threads)
 
 
 def expert_forward_fp32(blob: np.ndarray, hidden: int, inter: int, x: np.ndarray, y: np.ndarray, w: float) -> None:
