@@ -68,7 +68,7 @@ def main() -> None:
         stream(i)
         for _, call in cases:
             call(i)
-    print(f"| call | alone, us | right after a 12352x2048 int4 matvec, us |\n|---|---|---|")
+    print("| call | alone, us | right after a 12352x2048 int4 matvec, us |\n|---|---|---|")
     for label, call in cases:
         alone, after = [], []
         for i in range(n):
