@@ -17,7 +17,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from tierlab.engine.kernels.fastexp import FAST_EXACT, exp_f32, silu_f32
+from tierlab.engine.kernels.fastexp import FAST_EXACT, sigmoid_f32, silu_f32
 from tierlab.engine.kernels.qmatmat import matmat_bf16
 from tierlab.engine.kernels.qmatvec import (_I32, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, matvec_bf16,
                                             matvec_fp32, matvec_stack)
@@ -376,7 +376,7 @@ def shared_expert_inputs(fused, start, size, h, gate):
         ht = h[t]
         for i in range(size):
             ht[i] = silu_f32(g[i]) * u[i]
-        gate[t] = np.float32(1.0) / (np.float32(1.0) + exp_f32(-fused[t, start + 2 * size]))
+        gate[t] = sigmoid_f32(fused[t, start + 2 * size])
 
 
 @njit(nogil=True, fastmath=FAST_EXACT, cache=True, error_model="numpy")
@@ -386,7 +386,7 @@ def sigmoid_gate(out, gate):
     for t in range(out.shape[0]):
         ot, gt = out[t], gate[t]
         for i in range(ot.shape[0]):
-            ot[i] = ot[i] * (np.float32(1.0) / (np.float32(1.0) + exp_f32(-gt[i])))
+            ot[i] = ot[i] * sigmoid_f32(gt[i])
 
 
 @njit(nogil=True, fastmath=False, cache=True)

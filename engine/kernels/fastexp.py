@@ -1,4 +1,4 @@
-"""exp and SiLU in float32 that LLVM can vectorise: elementwise work at SIMD speed.
+"""exp, SiLU and sigmoid in float32 that LLVM can vectorise: elementwise work at SIMD speed.
 
 Why: numba compiles `math.exp` to a call of the C library's scalar expf, which
 keeps every loop that uses it scalar (a prompt's conv, its gated norms and its
@@ -9,7 +9,7 @@ degree-7 polynomial on [-ln 2 / 2, ln 2 / 2], times 2^n set in the exponent
 bits), within 2 ulp of expf; every step is a plain add, multiply or bit move, so
 a loop calling it vectorises. Callers compile with error_model="numpy" (else
 numba guards each division with a ZeroDivisionError branch, which stops the
-vectoriser too); these two compile without `arcp`/`reassoc` (FAST_EXACT), and a
+vectoriser too); these compile without `arcp`/`reassoc` (FAST_EXACT), and a
 caller's own fast-math flags do not reach their instructions, so the vector and
 scalar copies of a loop compute the same bits.
 """
@@ -63,3 +63,9 @@ def exp_f32(x):
 def silu_f32(v):
     """v * sigmoid(v) as v / (1 + e^-v), with an IEEE division."""
     return v / (np.float32(1.0) + exp_f32(-v))
+
+
+@njit(nogil=True, fastmath=FAST_EXACT, cache=True, error_model="numpy")
+def sigmoid_f32(v):
+    """1 / (1 + e^-v), with an IEEE division."""
+    return np.float32(1.0) / (np.float32(1.0) + exp_f32(-v))
