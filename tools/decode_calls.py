@@ -94,12 +94,17 @@ def timed_warm_decode(model: str, tokens: int, rounds: int, before_timed) -> flo
     return elapsed
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decode_arguments(description: str, rounds: int) -> argparse.Namespace:
+    """--model, --tokens and --rounds, as `timed_warm_decode` takes them."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", required=True)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=4, help="decodes of --tokens; the last one is reported")
-    a = p.parse_args()
+    p.add_argument("--rounds", type=int, default=rounds, help="decodes of --tokens; the last one is reported")
+    return p.parse_args()
+
+
+def main() -> int:
+    a = decode_arguments(__doc__.splitlines()[0], rounds=4)
     instrument()
     elapsed = timed_warm_decode(a.model, a.tokens, a.rounds, _TOTALS.clear)
     n = a.tokens

@@ -14,7 +14,6 @@ call, so the "outside" figure is a little high.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import importlib
 import pkgutil
@@ -23,7 +22,7 @@ import time
 from numba.core.registry import CPUDispatcher
 
 import tierlab.engine as engine_package
-from decode_calls import timed_warm_decode  # tools/ is on sys.path when a tool runs
+from decode_calls import decode_arguments, timed_warm_decode  # tools/ is on sys.path when a tool runs
 
 _SPENT: dict[str, float] = collections.defaultdict(float)
 _CALLS: collections.Counter = collections.Counter()
@@ -67,11 +66,7 @@ def instrument() -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3, help="decodes of --tokens; the last one is reported")
-    a = p.parse_args()
+    a = decode_arguments(__doc__.splitlines()[0], rounds=3)
     instrument()
 
     def empty_tallies() -> None:
