@@ -1060,11 +1060,15 @@ def _pass(qa, sa, qb, sb, x, out, mode, w, threads):
                 if bits:
                     _prefetch_head(qa, 4 * s0, min(_HEAD_BYTES, (s1 - s0) * 4 * qa.strides[0]))
                 dt, ut, ct = _prepare_x(x, bits)
+                # the last steps prefetch nothing past the share: those lines are another
+                # thread's, already read, or past the matrix
+                stop_prefetch = s1 - ahead // (4 * qa.strides[0])
                 for p in range(s0, s1):
                     r = 4 * p
+                    step_ahead = ahead if p < stop_prefetch else 0
                     v0, v1, v2, v3 = _columns_left(
                         qa, qa, r, r + 1, r + 2, r + 3, x,
-                        *_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x, dt, ut, ct, ahead))
+                        *_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x, dt, ut, ct, step_ahead))
                     _store4(out, r, v0, v1, v2, v3, wf, mode == ADD)
         if _first_left_over(mode, qa.shape[0]) == qa.shape[0]:
             return
