@@ -17,6 +17,7 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt, gated_deltanet_prompt_exact
+from tierlab.engine.kernels.deltanet_step import deltanet_step, pass_operands
 from tierlab.engine.kernels.dense import gated_deltanet, linear
 
 
@@ -66,6 +67,9 @@ class GatedDeltaNet:
         self.dt_bias = ckpt.load_f32(p + "dt_bias", (vh,))
         self.norm_w = ckpt.load_f32(p + "norm.weight", (dv,))
         self.w_out = ckpt.load(p + "out_proj.weight", (H, vh * dv))
+        # decode's three kernels in one compiled call, where each projection is one pass
+        w_in, w_out = pass_operands(self.w_in), pass_operands(self.w_out)
+        self._step_weights = (w_in, w_out) if w_in is not None and w_out is not None else None
 
     def new_state(self) -> DeltaNetState:
         cfg = self.cfg
@@ -78,6 +82,10 @@ class GatedDeltaNet:
         """x: normed hidden states [T, H]; `exact`: a prompt gets decode's bits (PREFILL_EXACT)."""
         cfg = self.cfg
         T = x.shape[0]
+        if T == 1 and self._step_weights is not None:
+            return deltanet_step(*self._step_weights, self.splits, x[0], state.conv, self.conv_taps, self.a_log,
+                                 self.dt_bias, self.norm_w, cfg.rms_eps, state.recurrent,
+                                 (cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim))
         y = linear(self.w_in, x)
         c, zc, bc = self.splits
         mixed, z, b, a = y[:, :c], y[:, c:zc], y[:, zc:bc], y[:, bc:]

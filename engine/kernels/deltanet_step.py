@@ -1,0 +1,57 @@
+"""One Gated DeltaNet layer's decode step in one compiled call: in_proj, the recurrence, out_proj.
+
+Why: in decode these were three calls from Python, and the Python between them
+(slicing in_proj's output, the recurrence's sixteen arguments, out_proj's checks)
+cost about 60 us a layer, mostly cache misses on the interpreter's state after
+in_proj's megabytes of weights had streamed through the caches
+(docs/benchmarks.md, "What a call costs right after a streaming one"). Here the
+same three kernels run from compiled code on the same operands, so a step's
+bits are those of the three calls (tests/test_deltanet_step.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from tierlab.engine.kernels.dense import gated_deltanet
+from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
+from tierlab.engine.qlinear import QuantMatrix
+
+
+def pass_operands(w) -> tuple[np.ndarray, np.ndarray] | None:
+    """A weight matrix as `_pass` takes it (quantised: weights and scales; bf16 or float32:
+    the matrix twice), or None where one pass cannot take it (a RowStack of mixed kinds)."""
+    if isinstance(w, QuantMatrix):
+        return w.q, w.scales
+    if isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype in (np.uint16, np.float32) and w.flags.c_contiguous:
+        return w, w
+    return None
+
+
+@njit(nogil=True, cache=True)
+def _step(wi, si, wo, so, x, conv, taps, a_log, dt_bias, norm_w, eps, recurrent, kh, vh, dk, dv,
+          c, zc, bc, threads, y, core, out):
+    _pass(wi, si, wi, si, x, y, SET, 1.0, threads)
+    gated_deltanet(y[:c].reshape((1, c)), conv, taps, y[c:zc].reshape((1, zc - c)),
+                   y[zc:bc].reshape((1, bc - zc)), y[bc:].reshape((1, y.shape[0] - bc)),
+                   a_log, dt_bias, norm_w, eps, recurrent, kh, vh, dk, dv, core.reshape((1, core.shape[0])))
+    _pass(wo, so, wo, so, core, out, SET, 1.0, threads)
+
+
+def deltanet_step(w_in: tuple, w_out: tuple, splits: tuple[int, int, int], x: np.ndarray, conv: np.ndarray,
+                  taps: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, norm_w: np.ndarray, eps: float,
+                  recurrent: np.ndarray, heads: tuple[int, int, int, int]) -> np.ndarray:
+    """out_proj(recurrence(in_proj(x))) for one token x float32[H]: float32[1, H], with
+    w_in, w_out from `pass_operands`, the fused in_proj's `splits` (where z, b and a
+    start) and heads = (key heads, value heads, key dim, value dim); the conv and
+    recurrent states are updated in place, as `gated_deltanet` updates them."""
+    kh, vh, dk, dv = heads
+    (wi, si), (wo, so) = w_in, w_out
+    y = np.empty(wi.shape[0], dtype=np.float32)
+    core = np.empty(vh * dv, dtype=np.float32)
+    out = np.empty((1, wo.shape[0]), dtype=np.float32)
+    c, zc, bc = splits
+    _step(wi, si, wo, so, np.ascontiguousarray(x, dtype=np.float32), conv, taps, a_log, dt_bias, norm_w,
+          np.float32(eps), recurrent, kh, vh, dk, dv, c, zc, bc, _thread_count(), y, core, out[0])
+    return out
