@@ -16,6 +16,8 @@ import numpy as np
 
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
+from tierlab.engine.kernels.attention_step import attention_step
+from tierlab.engine.kernels.deltanet_step import pass_operands
 from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace, sigmoid_gate
 from tierlab.engine.kernels.prompt_attention import attention_tiles
 
@@ -67,6 +69,9 @@ class Attention:
         ])
         self.splits = [q_rows, q_rows + nkv * d]
         self.wo = ckpt.load(p + "o_proj.weight", (H, nh * d))
+        # decode's kernels in one compiled call, where each projection is one pass
+        w_qkv, w_o = pass_operands(self.w_qkv), pass_operands(self.wo)
+        self._step_weights = (w_qkv, w_o) if w_qkv is not None and w_o is not None else None
         self.q_norm = ckpt.load_f32(p + "q_norm.weight", (d,))
         self.k_norm = ckpt.load_f32(p + "k_norm.weight", (d,))
         half = cfg.rotary_dim // 2
@@ -83,6 +88,10 @@ class Attention:
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if T == 1 and self._step_weights is not None:
+            cache.ensure(start + 1)
+            return attention_step(*self._step_weights, x[0], self.gated, (nh, nkv, d), self.q_norm, self.k_norm,
+                                  cfg.rms_eps, self.inv_freq, cfg.rotary_dim, cache.k, cache.v, start)
         y = linear(self.w_qkv, x)
         q_end, k_end = self.splits
         q_all, k, v = y[:, :q_end], y[:, q_end:k_end], y[:, k_end:]
