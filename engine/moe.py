@@ -20,8 +20,10 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
+from tierlab.engine.kernels.deltanet_step import pass_operands
 from tierlab.engine.kernels.dense import (PAIRWISE_BLOCK, add_weighted, add_weighted_rows, linear, route_rows,
                                           shared_expert_inputs, softmax_row)
+from tierlab.engine.kernels.shared_step import shared_expert_step
 
 
 class SwiGLU:
@@ -54,6 +56,8 @@ class MoEBlock:
                      ckpt.load(p + "shared_expert.up_proj.weight", (S, H)),
                      ckpt.load(p + "shared_expert_gate.weight", (1, H))]
             self.shared_down = ckpt.load(p + "shared_expert.down_proj.weight", (H, S))
+        # a decoded token's shared expert in one compiled call, where its down projection is one pass
+        self._shared_step_weights = pass_operands(self.shared_down) if S else None
         self.w_in = fuse_rows(rows)
         # PILOT runs the router alone: a view of the fused matrix, or the router's own
         # block where the shared expert is quantised and the router is not
@@ -136,6 +140,10 @@ class MoEBlock:
         [T, E + 2S + 1] (router logits | g | u | gate)."""
         t0 = time.perf_counter()
         T = fused.shape[0]
+        if T == 1 and self._shared_step_weights is not None:
+            term = shared_expert_step(self._shared_step_weights, fused, E, S)
+            timers["shared"] += time.perf_counter() - t0
+            return term
         h = np.empty((T, S), dtype=np.float32)
         gate = np.empty(T, dtype=np.float32)
         shared_expert_inputs(fused, E, S, h, gate)
