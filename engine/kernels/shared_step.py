@@ -20,7 +20,7 @@ from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
 
 
 @njit(nogil=True, cache=True)
-def _step(wd, sd, fused, start, size, h, gate, term, threads):
+def _shared_kernels(wd, sd, fused, start, size, h, gate, term, threads):
     shared_expert_inputs(fused, start, size, h, gate)
     _pass(wd, sd, wd, sd, h[0], term[0], SET, 1.0, threads)
     g = gate[0]
@@ -37,5 +37,5 @@ def shared_expert_step(w_down: tuple, fused: np.ndarray, start: int, size: int) 
     h = np.empty((1, size), dtype=np.float32)
     gate = np.empty(1, dtype=np.float32)
     term = np.empty((1, wd.shape[0]), dtype=np.float32)
-    _step(wd, sd, np.ascontiguousarray(fused, dtype=np.float32), start, size, h, gate, term, _thread_count())
+    _shared_kernels(wd, sd, np.ascontiguousarray(fused, dtype=np.float32), start, size, h, gate, term, _thread_count())
     return term
