@@ -19,8 +19,8 @@ from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
 
 
 @njit(nogil=True, cache=True)
-def _attention_kernels(wi, si, wo, so, x, gated, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, rotary_dim,
-          k_cache, v_cache, start, threads, y, out):
+def _attention_kernels(wi, si, wo, so, x, gated, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq,
+                       rotary_dim, k_cache, v_cache, start, threads, y, out):
     d = head_dim
     _pass(wi, si, wi, si, x, y, SET, 1.0, threads)
     q = np.empty((heads, d), np.float32)
@@ -67,6 +67,7 @@ def attention_step(w_qkv: tuple, w_o: tuple, x: np.ndarray, gated: bool, shape: 
     (wi, si), (wo, so) = w_qkv, w_o
     y = np.empty(wi.shape[0], dtype=np.float32)
     out = np.empty((1, wo.shape[0]), dtype=np.float32)
-    _attention_kernels(wi, si, wo, so, np.ascontiguousarray(x, dtype=np.float32), gated, heads, kv_heads, head_dim, q_norm,
-          k_norm, float(eps), inv_freq, rotary_dim, k_cache, v_cache, start, _thread_count(), y, out[0])
+    _attention_kernels(wi, si, wo, so, np.ascontiguousarray(x, dtype=np.float32), gated, heads, kv_heads, head_dim,
+                       q_norm, k_norm, float(eps), inv_freq, rotary_dim, k_cache, v_cache, start, _thread_count(),
+                       y, out[0])
     return out

@@ -31,7 +31,7 @@ def pass_operands(w) -> tuple[np.ndarray, np.ndarray] | None:
 
 @njit(nogil=True, cache=True)
 def _deltanet_kernels(wi, si, wo, so, x, conv, taps, a_log, dt_bias, norm_w, eps, recurrent, kh, vh, dk, dv,
-          c, zc, bc, threads, y, core, out):
+                      c, zc, bc, threads, y, core, out):
     _pass(wi, si, wi, si, x, y, SET, 1.0, threads)
     gated_deltanet(y[:c].reshape((1, c)), conv, taps, y[c:zc].reshape((1, zc - c)),
                    y[zc:bc].reshape((1, bc - zc)), y[bc:].reshape((1, y.shape[0] - bc)),
@@ -53,5 +53,5 @@ def deltanet_step(w_in: tuple, w_out: tuple, splits: tuple[int, int, int], x: np
     out = np.empty((1, wo.shape[0]), dtype=np.float32)
     c, zc, bc = splits
     _deltanet_kernels(wi, si, wo, so, np.ascontiguousarray(x, dtype=np.float32), conv, taps, a_log, dt_bias, norm_w,
-          np.float32(eps), recurrent, kh, vh, dk, dv, c, zc, bc, _thread_count(), y, core, out[0])
+                      np.float32(eps), recurrent, kh, vh, dk, dv, c, zc, bc, _thread_count(), y, core, out[0])
     return out
