@@ -20,10 +20,10 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
-from tierlab.engine.kernels.deltanet_step import pass_operands
 from tierlab.engine.kernels.dense import (PAIRWISE_BLOCK, add_weighted, add_weighted_rows, linear, route_rows,
                                           shared_expert_inputs, softmax_row)
 from tierlab.engine.kernels.shared_step import shared_expert_step
+from tierlab.engine.qlinear import pass_operands
 
 
 class SwiGLU:

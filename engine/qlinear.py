@@ -89,6 +89,16 @@ def qlinear(m: QuantMatrix, x: np.ndarray) -> np.ndarray:
     return matmat(m.kind, (m.q, m.scales), x)
 
 
+def pass_operands(w) -> tuple[np.ndarray, np.ndarray] | None:
+    """A weight matrix as `qmatvec._pass` takes it (quantised: weights and scales; bf16 or float32:
+    the matrix twice), or None where one pass cannot take it (a RowStack of mixed kinds)."""
+    if isinstance(w, QuantMatrix):
+        return w.q, w.scales
+    if isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype in (np.uint16, np.float32) and w.flags.c_contiguous:
+        return w, w
+    return None
+
+
 def fuse_quant(mats: list[QuantMatrix]) -> QuantMatrix:
     """Stack quantised matrices of one kind that multiply the same input (one kernel pass)."""
     return QuantMatrix(hugepages.concat_rows([m.q for m in mats]),

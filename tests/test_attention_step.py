@@ -10,8 +10,8 @@ import copy
 import numpy as np
 import pytest
 
-from tierlab.engine.kernels.deltanet_step import pass_operands
 from tierlab.engine.models.attention import Attention, KVCache
+from tierlab.engine.qlinear import pass_operands
 from weight_kinds import KINDS, random_weights
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 2, 64

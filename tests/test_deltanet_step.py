@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tierlab.engine.kernels.deltanet_step import deltanet_step, pass_operands
+from tierlab.engine.kernels.deltanet_step import deltanet_step
 from tierlab.engine.kernels.dense import gated_deltanet, linear
-from tierlab.engine.qlinear import RowStack
+from tierlab.engine.qlinear import RowStack, pass_operands
 from weight_kinds import KINDS, random_weights
 
 K_HEADS, V_HEADS, DK, DV, HIDDEN = 2, 4, 64, 64, 256

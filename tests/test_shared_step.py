@@ -8,8 +8,8 @@ import copy
 import numpy as np
 import pytest
 
-from tierlab.engine.kernels.deltanet_step import pass_operands
 from tierlab.engine.moe import MoEBlock
+from tierlab.engine.qlinear import pass_operands
 from weight_kinds import KINDS, random_weights
 
 HIDDEN, EXPERTS, SHARED = 256, 16, 128

@@ -4,8 +4,9 @@
 Why: `bench decode`'s phases say which part of a layer is slow; a kernel benchmark
 says what a kernel does alone, from DRAM, with nothing else in the caches. This
 times every call inside real decode steps (each `linear` by its weight's kind and
-shape, the DeltaNet recurrence, the routed experts' kernel launches, the store's
-bookkeeping, routing, norms and the per-token meters), so each can be set against
+shape, the DeltaNet and attention layers and the shared expert, each one call in
+decode, the routed experts' kernel launches, the store's bookkeeping, routing, norms
+and the per-token meters), so each can be set against
 the bytes it reads: a 1 MiB matrix that takes three times its memory time is
 launch and Python overhead, not bandwidth. The wrappers add about a microsecond
 per call, so the figures are a little high for the cheapest calls.
@@ -62,6 +63,10 @@ def instrument() -> None:
     for module in (moe, deltanet, attention, model):
         module.linear = timed_linear
     deltanet.gated_deltanet = _timed(deltanet.gated_deltanet, "DeltaNet recurrence (gated_deltanet)")
+    # decode's one-call layers (a prompt's calls above): engine/kernels/*_step.py
+    deltanet.deltanet_step = _timed(deltanet.deltanet_step, "DeltaNet layer, one call (deltanet_step)")
+    attention.attention_step = _timed(attention.attention_step, "attention layer, one call (attention_step)")
+    moe.shared_expert_step = _timed(moe.shared_expert_step, "shared expert, one call (shared_expert_step)")
     model.rmsnorm = _timed(model.rmsnorm, "rmsnorm (layer norms)")
     moe.add_weighted = _timed(moe.add_weighted, "experts' weighted sum (add_weighted)")
     kernel = qmatvec._experts

@@ -61,7 +61,7 @@ def attention_step(w_qkv: tuple, w_o: tuple, x: np.ndarray, gated: bool, shape: 
                    q_norm: np.ndarray, k_norm: np.ndarray, eps: float, inv_freq: np.ndarray, rotary_dim: int,
                    k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> np.ndarray:
     """o_proj(attention(...)) for one token x float32[H] at position `start`: float32[1, H].
-    w_qkv, w_o from `deltanet_step.pass_operands`; shape = (heads, kv heads, head dim); the
+    w_qkv, w_o from `qlinear.pass_operands`; shape = (heads, kv heads, head dim); the
     caches [kv heads, >= start + 1, head dim] get the token's key and value at `start`."""
     heads, kv_heads, head_dim = shape
     (wi, si), (wo, so) = w_qkv, w_o

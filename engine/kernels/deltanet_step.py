@@ -16,17 +16,6 @@ from numba import njit
 
 from tierlab.engine.kernels.dense import gated_deltanet
 from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
-from tierlab.engine.qlinear import QuantMatrix
-
-
-def pass_operands(w) -> tuple[np.ndarray, np.ndarray] | None:
-    """A weight matrix as `_pass` takes it (quantised: weights and scales; bf16 or float32:
-    the matrix twice), or None where one pass cannot take it (a RowStack of mixed kinds)."""
-    if isinstance(w, QuantMatrix):
-        return w.q, w.scales
-    if isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype in (np.uint16, np.float32) and w.flags.c_contiguous:
-        return w, w
-    return None
 
 
 @njit(nogil=True, cache=True)
@@ -43,7 +32,7 @@ def deltanet_step(w_in: tuple, w_out: tuple, splits: tuple[int, int, int], x: np
                   taps: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray, norm_w: np.ndarray, eps: float,
                   recurrent: np.ndarray, heads: tuple[int, int, int, int]) -> np.ndarray:
     """out_proj(recurrence(in_proj(x))) for one token x float32[H]: float32[1, H], with
-    w_in, w_out from `pass_operands`, the fused in_proj's `splits` (where z, b and a
+    w_in, w_out from `qlinear.pass_operands`, the fused in_proj's `splits` (where z, b and a
     start) and heads = (key heads, value heads, key dim, value dim); the conv and
     recurrent states are updated in place, as `gated_deltanet` updates them."""
     kh, vh, dk, dv = heads

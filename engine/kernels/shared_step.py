@@ -32,7 +32,7 @@ def _shared_kernels(wd, sd, fused, start, size, h, gate, term, threads):
 def shared_expert_step(w_down: tuple, fused: np.ndarray, start: int, size: int) -> np.ndarray:
     """sigmoid(gate) * down(silu(g) * u) for one token: float32[1, H], from the router block's
     output fused float32[1, E + 2S + 1] (router logits | g | u | gate logit), start = E,
-    size = S, and the down projection as `deltanet_step.pass_operands` gives it."""
+    size = S, and the down projection as `qlinear.pass_operands` gives it."""
     wd, sd = w_down
     h = np.empty((1, size), dtype=np.float32)
     gate = np.empty(1, dtype=np.float32)

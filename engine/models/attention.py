@@ -17,9 +17,9 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.kernels.attention_step import attention_step
-from tierlab.engine.kernels.deltanet_step import pass_operands
 from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace, sigmoid_gate
 from tierlab.engine.kernels.prompt_attention import attention_tiles
+from tierlab.engine.qlinear import pass_operands
 
 
 class KVCache:

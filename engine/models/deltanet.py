@@ -17,8 +17,9 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt, gated_deltanet_prompt_exact
-from tierlab.engine.kernels.deltanet_step import deltanet_step, pass_operands
+from tierlab.engine.kernels.deltanet_step import deltanet_step
 from tierlab.engine.kernels.dense import gated_deltanet, linear
+from tierlab.engine.qlinear import pass_operands
 
 
 @dataclass
