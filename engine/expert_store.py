@@ -62,8 +62,9 @@ from tierlab.engine.errors import TierlabError
 from tierlab.engine.events import LEVEL_GPU
 from tierlab.engine.kernels.experts_tokens import experts_tokens, few_token_limit
 from tierlab.engine.kernels.qmatmat import expert_matmat, experts_matmat
-from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward, experts_forward_trusted
-from tierlab.engine.kernels.slot_claims import claim_resident, release_slots
+from tierlab.engine.kernels.dense import add_weighted
+from tierlab.engine.kernels.moe_step import resident_experts_step
+from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.tiers.opencl_tier import TierFailure
 
@@ -487,13 +488,36 @@ class ExpertStore:
         shadow = count_shadow(stock, where, realised) if stock is not None else None
         return hits, misses, on_gpu, shadow
 
+    def compute_weighted(self, layer: int, chosen: np.ndarray, weights: np.ndarray, x: np.ndarray, y: np.ndarray,
+                         timers: dict, stock: np.ndarray | None = None) -> tuple[int, int, list[int], Shadow | None]:
+        """y += weights[s] * expert chosen[s] applied to x, over the slots with an expert, in rank
+        order: `compute` and then the weighted sum (`dense.add_weighted`), or for a token
+        whose experts are all ready in RAM slots both in one compiled call. Returns what
+        `compute` returns."""
+        K = chosen.shape[0]
+        outputs = np.zeros((K, x.shape[0]), dtype=np.float32)
+        if self._tier is None and K > 1:
+            shadow = self._compute_resident(layer, chosen, x, outputs, timers, stock, weights, y)
+            if shadow is not False:
+                return K, 0, [], shadow
+        result = self.compute(layer, chosen, x, outputs, timers, stock)
+        add_weighted(y, chosen, weights, outputs)
+        return result
+
     def _compute_resident(self, layer: int, chosen: np.ndarray, x: np.ndarray, outputs: np.ndarray,
-                          timers: dict, stock: np.ndarray | None) -> Shadow | None | bool:
+                          timers: dict, stock: np.ndarray | None, weights: np.ndarray | None = None,
+                          y: np.ndarray | None = None) -> Shadow | None | bool:
         """`compute` for a token whose experts are all ready in RAM slots (a warm chat's
-        usual token), with the bookkeeping compiled (`slot_claims`): the same holds, LRU
-        stamps and hit counts as `acquire` and `release`, one launch pair for the experts.
+        usual token), in one compiled call (`moe_step.resident_experts_step`) under the
+        store's lock: the same holds, LRU stamps and hit counts as `acquire` and `release`,
+        one launch pair for the experts, and with `weights` the weighted sum into y.
         Returns the shadow counts (None without `stock`), or False, having changed nothing,
-        when an expert is not ready (the caller takes the general path)."""
+        when an expert is not ready (the caller takes the general path).
+
+        Why the lock is held through the launches: the claims and the release were two
+        calls from Python with the launches between them, each after a streaming call
+        (docs/benchmarks.md, "A decoded MoE block in two compiled calls"); a reader that
+        wants the lock waits one layer's experts, a few hundred microseconds."""
         source = self._source
         if not (outputs.dtype == np.float32 and outputs.flags.c_contiguous and x.shape == (source.hidden,)
                 and outputs.shape == (chosen.shape[0], source.hidden)):
@@ -502,23 +526,21 @@ class ExpertStore:
         slots = np.empty(experts.shape[0], dtype=np.int64)
         shadow = np.empty(2, dtype=np.int64)
         stock_ids = _NO_EXPERTS if stock is None else np.ascontiguousarray(stock, dtype=np.int64)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if weights is not None:
+            weights = np.ascontiguousarray(weights, dtype=np.float32)
+        t0 = time.perf_counter()
         with self._cond:
-            st = self._layers[layer]  # under the lock: set_slots may replace the layer until then
-            clock = claim_resident(st["slot_of"], st["loading"], st["pf_pass"], st["busy"], st["last"], experts,
-                                   self._clock, slots, stock_ids, shadow)
+            # under the lock: set_slots may replace the layer until then
+            clock = resident_experts_step(self._layers[layer], source.kind, source.hidden,
+                                          source.inter, experts, self._clock, slots, stock_ids, shadow, x, outputs,
+                                          self._rows(experts.shape[0]), weights, y)
             if clock < 0:
                 return False
             self._clock = clock
             self._hits[layer] += experts.shape[0]
-        try:
-            t0 = time.perf_counter()
-            experts_forward_trusted(source.kind, st["store"], slots, source.hidden, source.inter, x, outputs,
-                                    self._rows(experts.shape[0]))
-            timers["compute"] += time.perf_counter() - t0
-        finally:
-            with self._cond:
-                release_slots(st["busy"], slots)
-                self._cond.notify_all()
+            self._cond.notify_all()
+        timers["compute"] += time.perf_counter() - t0
         return None if stock is None else Shadow(ram_hits=int(shadow[0]), ram_misses=int(shadow[1]), vram=0)
 
     def _rows(self, n: int) -> np.ndarray:

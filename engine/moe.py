@@ -20,8 +20,9 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
-from tierlab.engine.kernels.dense import (PAIRWISE_BLOCK, add_weighted, add_weighted_rows, linear, route_rows,
-                                          shared_expert_inputs, softmax_row)
+from tierlab.engine.kernels.dense import (PAIRWISE_BLOCK, add_weighted_rows, linear, route_rows, shared_expert_inputs,
+                                          softmax_row)
+from tierlab.engine.kernels.moe_step import router_operands, router_step
 from tierlab.engine.kernels.shared_step import shared_expert_step
 from tierlab.engine.qlinear import pass_operands
 
@@ -64,6 +65,11 @@ class MoEBlock:
         self.router_w = self.w_in[:E] if isinstance(self.w_in, np.ndarray) else self.w_in.first_rows(E)
         if self.router_w is None:  # a quantised router fused with its neighbours
             self.router_w = rows[0]
+        # a decoded token's router block, shared expert and stock routing in one compiled
+        # call, where the router block is one launch and the shared expert's down one pass
+        self._router_step = router_operands(self.w_in)
+        if S and self._shared_step_weights is None:
+            self._router_step = None
 
     # -- routing ---------------------------------------------------------------
     def route(self, logits: np.ndarray, ctx) -> LayerRoute:
@@ -116,6 +122,8 @@ class MoEBlock:
         prompt computes only the experts the last token uses (with all their tokens, so its
         row keeps its bits); the other rows hold the shared expert's output alone."""
         T, H = x.shape
+        if T == 1 and self._router_step is not None:
+            return self._decode(x, ctx)
         timers = ctx.timers
         t0 = time.perf_counter()
         fused = linear(self.w_in, x).reshape(T, -1)
@@ -134,6 +142,28 @@ class MoEBlock:
         if shared is not None:
             out += shared
         return out, routes
+
+    def _decode(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[LayerRoute]]:
+        """`forward` for one token: the router block, the shared expert and (with the stock
+        router) the routing in one compiled call (`moe_step.router_step`), booked as
+        "router"; the same kernels in the same order as `forward`'s general path, so the
+        same bits (tests/test_moe_step.py)."""
+        timers = ctx.timers
+        cfg = self.cfg
+        E, K = cfg.n_experts, cfg.top_k
+        t0 = time.perf_counter()
+        plain = self._routes_plainly(ctx) and (K <= PAIRWISE_BLOCK or not cfg.norm_topk_prob)
+        fused, shared, choices = router_step(self._router_step, self._shared_step_weights, x[0], E,
+                                             cfg.shared_inter, K, cfg.norm_topk_prob, plain)
+        logits = fused[0, :E]
+        route = self._plain_route(choices, 0, ctx) if plain else self.route(np.ascontiguousarray(logits), ctx)
+        timers["router"] += time.perf_counter() - t0
+        out = np.zeros((1, x.shape[1]), dtype=np.float32)
+        self._experts(x[0], route, out[0], ctx)
+        ctx.after_route(self.layer, route, logits)
+        if shared is not None:
+            out += shared
+        return out, [route]
 
     def _shared_expert(self, fused: np.ndarray, E: int, S: int, timers) -> np.ndarray:
         """sigmoid(gate) * down(silu(g) * u) of the shared expert, from the router block's output
@@ -251,11 +281,8 @@ class MoEBlock:
 
     def _experts(self, x: np.ndarray, route: LayerRoute, y: np.ndarray, ctx) -> None:
         """y += sum over slots in rank order of weight * expert(x), each expert computed where it lives."""
-        chosen = route.chosen
-        K = chosen.shape[0]
-        outputs = np.zeros((K, x.shape[0]), dtype=np.float32)
-        hits, misses, on_gpu, shadow = ctx.store.compute(self.layer, chosen, x, outputs, ctx.timers,
-                                                         stock=route.true_topk)
+        hits, misses, on_gpu, shadow = ctx.store.compute_weighted(self.layer, route.chosen, route.weights, x, y,
+                                                                  ctx.timers, stock=route.true_topk)
         _add_shadow(route, shadow)
         route.ram_hits += hits
         route.ram_misses += misses
@@ -263,7 +290,6 @@ class MoEBlock:
             for s in on_gpu:
                 route.level[s] = LEVEL_GPU
             route.vram_served = len(on_gpu)
-        add_weighted(y, chosen, route.weights, outputs)
 
 
 def _add_shadow(route: LayerRoute, shadow) -> None:

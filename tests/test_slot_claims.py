@@ -1,6 +1,6 @@
 """The store's compiled path for a token whose experts are all resident changes nothing but speed.
 
-`ExpertStore.compute` takes `_compute_resident` (engine/kernels/slot_claims.py) when every
+`ExpertStore.compute` and `compute_weighted` take `_compute_resident` (engine/kernels/moe_step.py) when every
 chosen expert is ready in a RAM slot. Here two stores over the same checkpoint run the same
 random tokens, one with that path and one made to take the general one (acquire, one launch
 pair, release): outputs, hit and miss counts, shadow counts, LRU stamps, use counts and
@@ -20,8 +20,10 @@ def _state(store) -> tuple:
             st["expert"].tolist(), st["slot_of"].tolist())
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("slots,k", [(8, 3), (5, 3), (4, 2)])
-def test_resident_path_matches_the_general_path(oracle_models, monkeypatch, slots, k):
+def test_resident_path_matches_the_general_path(oracle_models, monkeypatch, slots, k, weighted):
+    """`compute`, and `compute_weighted` (the weighted sum in the same compiled call)."""
     from tierlab.engine.checkpoint import Checkpoint
     from tierlab.engine.config import load_config
     from tierlab.engine.expert_source import RawExpertSource
@@ -42,11 +44,17 @@ def test_resident_path_matches_the_general_path(oracle_models, monkeypatch, slot
             chosen = rng.choice(8, k, replace=False).astype(np.int64)
             stock = rng.choice(8, k, replace=False).astype(np.int32)  # the router's own top-K, maybe elsewhere
             x = rng.standard_normal(hidden).astype(np.float32)
+            weights = rng.random(k).astype(np.float32)
             results = []
             for store in (fast, general):
                 outputs = np.zeros((k, hidden), dtype=np.float32)
                 timers = {"fetch": 0.0, "compute": 0.0, "tier": 0.0}
-                hits, misses, on_gpu, shadow = store.compute(0, chosen, x, outputs, timers, stock=stock)
+                if weighted:  # y starts from a residual, as a layer's output would not: every bit counts
+                    outputs = x[::-1].copy()
+                    hits, misses, on_gpu, shadow = store.compute_weighted(0, chosen, weights, x, outputs, timers,
+                                                                          stock=stock)
+                else:
+                    hits, misses, on_gpu, shadow = store.compute(0, chosen, x, outputs, timers, stock=stock)
                 results.append((outputs, hits, misses, on_gpu, shadow, _state(store)))
             (out_a, *rest_a), (out_b, *rest_b) = results
             assert np.array_equal(out_a.view(np.uint32), out_b.view(np.uint32))

@@ -1488,17 +1488,8 @@ def experts_forward(kind: str, store: np.ndarray, slots: np.ndarray, hidden: int
         raise ValueError(f"experts_forward needs a C uint8 store [slots, >= {nbytes}], x[{hidden}], C float32 "
                          f"out[rows, {hidden}], slots in range and distinct out_rows in range; got store{store.shape} {store.dtype}, "
                          f"x{x.shape}, out{out.shape} {out.dtype}, slots {slots}, out_rows {out_rows}")
-    experts_forward_trusted(kind, store, slots, hidden, inter, x, out, out_rows)
-
-
-def experts_forward_trusted(kind: str, store: np.ndarray, slots: np.ndarray, hidden: int, inter: int, x: np.ndarray,
-                            out: np.ndarray, out_rows: np.ndarray) -> None:
-    """`experts_forward` without its checks, for operands known to pass them (int64 slots
-    and distinct out_rows in range, a C uint8 store of whole blobs, C float32 out [rows,
-    hidden], x [hidden]): the expert store's resident path with its own slots, on every
-    layer of a warm chat's tokens, where the checks cost microseconds."""
+    h = np.empty((n, inter), np.float32)
     marker = _WEIGHT_MARKER[kind]
-    h = np.empty((slots.shape[0], inter), np.float32)
     x = _f32(x)
     _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, GATE_UP, 1.0)
     _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, ADD, 1.0)

@@ -4,8 +4,9 @@ Why: in a warm chat nearly every token finds its experts resident. Holding their
 slots (`ExpertStore.acquire`: each slot's use count up, its LRU stamp renewed, the
 hit counted) and letting them go again was some fifty numpy element reads and
 writes from Python per layer, 30-40 us of every layer's decode on the machines of
-docs/benchmarks.md. These two functions take the same steps, in the same order,
-in one call each; the store calls them under its lock, as it takes the steps.
+docs/benchmarks.md. These two functions take the same steps, in the same order;
+`moe_step.resident_experts_step` calls them around the experts' launches, under
+the store's lock.
 """
 
 from __future__ import annotations
