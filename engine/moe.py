@@ -186,9 +186,16 @@ class MoEBlock:
         """Route and compute each token in turn (decode, and prompts when experts can be evicted)."""
         timers = ctx.timers
         routes = []
+        t1 = time.perf_counter()
+        # the stock top-K depends on no residency: every token's in one call, as a grouped prompt's
+        choices = self._plain_choices(logits_all) if self._routes_plainly(ctx) else None
+        timers["router"] += time.perf_counter() - t1
         for t in range(x.shape[0]):
             t1 = time.perf_counter()
-            route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
+            if choices is not None:
+                route = self._plain_route(choices, t, ctx)
+            else:
+                route = self.route(np.ascontiguousarray(logits_all[t]), ctx)
             timers["router"] += time.perf_counter() - t1
             self._experts(x[t], route, out[t], ctx)
             routes.append(route)
