@@ -293,6 +293,28 @@ class Engine:
             with prompt_heap(), self.threads.prompt():
                 return self._forward(ids, all_logits, phase or "prefill")
 
+    def _mixer_half(self, layer: Layer, state, x: np.ndarray, ctx: "_PassContext") -> np.ndarray:
+        """x += mixer(input norm(x)) in place; returns the post norm of the new x (the MLP's input).
+
+        A decoded token takes the norms and the residual add in the mixer's one compiled call
+        where it has one (`decode_residual`; the same kernels in the same order, so the same
+        bits), booked with the mixer; PILOT reads x after the add either way."""
+        cfg = self.config
+        timers = ctx.timers
+        t0 = time.perf_counter()
+        h = None
+        if x.shape[0] == 1:
+            h = layer.mixer.decode_residual(x, self.pos, state, (layer.input_norm, layer.post_norm, cfg.rms_eps))
+        if h is None:
+            x += layer.mixer.forward(rmsnorm(x, layer.input_norm, cfg.rms_eps), self.pos, state,
+                                     exact=ctx.knobs.PREFILL_EXACT)
+        timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0
+        if ctx.knobs.PILOT:
+            t0 = time.perf_counter()
+            self._pilot().after_mixer(layer.index, x, ctx.knobs)
+            timers["pilot"] += time.perf_counter() - t0
+        return rmsnorm(x, layer.post_norm, cfg.rms_eps) if h is None else h
+
     def _forward(self, ids: np.ndarray, all_logits: bool, phase: str) -> np.ndarray:
         cfg = self.config
         T = ids.size
@@ -307,15 +329,7 @@ class Engine:
         last = self.layers[-1]
         for layer, state in zip(self.layers, self.states):
             self.threads.follow()  # a reading of the load at most every SAMPLE_S; the count per layer
-            t0 = time.perf_counter()
-            h = rmsnorm(x, layer.input_norm, cfg.rms_eps)
-            x += layer.mixer.forward(h, self.pos, state, exact=ctx.knobs.PREFILL_EXACT)
-            timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0
-            if ctx.knobs.PILOT:
-                t0 = time.perf_counter()
-                self._pilot().after_mixer(layer.index, x, ctx.knobs)
-                timers["pilot"] += time.perf_counter() - t0
-            h = rmsnorm(x, layer.post_norm, cfg.rms_eps)
+            h = self._mixer_half(layer, state, x, ctx)
             out, routes = layer.mlp.forward(h, ctx, last_row_only=trim_last and layer is last)
             x += out
             routes_by_layer.append(routes)

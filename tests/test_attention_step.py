@@ -57,3 +57,27 @@ def test_one_call_gives_the_calls_bits(kind, gated):
         assert fast.k[:, :pos + 1].tobytes() == slow.k[:, :pos + 1].tobytes(), pos
         assert fast.v[:, :pos + 1].tobytes() == slow.v[:, :pos + 1].tobytes(), pos
         assert np.abs(expected).max() > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_residual_step_gives_the_layers_calls_bits(kind):
+    """`decode_residual`: the input norm, the step, the residual add and the post norm in one
+    call give the bits of `Engine._mixer_half`'s general path, and the residual stream's."""
+    from tierlab.engine.kernels.dense import rmsnorm
+
+    rng = np.random.default_rng(KINDS.index(kind) + 20)
+    layer = _layer(kind, True, rng)
+    layer._step_weights = (pass_operands(layer.w_qkv), pass_operands(layer.wo))
+    in_norm, post_norm = (1.0 + 0.1 * rng.standard_normal((2, HIDDEN))).astype(np.float32)
+    fast, slow = KVCache(KV_HEADS, HEAD_DIM, capacity=2), KVCache(KV_HEADS, HEAD_DIM, capacity=2)
+    for pos in range(5):
+        x = rng.standard_normal((1, HIDDEN)).astype(np.float32)
+        x_ref = x.copy()
+        x_ref += layer.forward(rmsnorm(x_ref, in_norm, 1e-6), pos, slow)
+        expected = rmsnorm(x_ref, post_norm, 1e-6)
+        got = layer.decode_residual(x, pos, fast, (in_norm, post_norm, 1e-6))
+        assert got.shape == (1, HIDDEN) and got.tobytes() == expected.tobytes(), pos
+        assert x.tobytes() == x_ref.tobytes(), pos
+        assert fast.k[:, :pos + 1].tobytes() == slow.k[:, :pos + 1].tobytes(), pos
+    layer._step_weights = None
+    assert layer.decode_residual(x, 5, fast, (in_norm, post_norm, 1e-6)) is None  # the caller's general path

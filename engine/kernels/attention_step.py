@@ -14,14 +14,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tierlab.engine.kernels.dense import attention, rms_norm, rope_inplace, sigmoid_gate
+from tierlab.engine.kernels.dense import add_rms_norm, attention, residual_norms, rms_norm, rope_inplace, sigmoid_gate
 from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
 
 
 @njit(nogil=True, cache=True)
-def _attention_kernels(wi, si, wo, so, x, gated, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq,
-                       rotary_dim, k_cache, v_cache, start, threads, y, out):
+def _attention_kernels(wi, si, wo, so, x2, gated, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq,
+                       rotary_dim, k_cache, v_cache, start, threads, y, out, residual, in_norm, post_norm, layer_eps,
+                       xn, h_post):
     d = head_dim
+    if residual:  # x2 is the residual stream: its input norm first
+        rms_norm(x2, in_norm, layer_eps, xn)
+        x = xn[0]
+    else:
+        x = x2[0]
     _pass(wi, si, wi, si, x, y, SET, 1.0, threads)
     q = np.empty((heads, d), np.float32)
     gate = np.empty((1, heads * d), np.float32)
@@ -54,20 +60,25 @@ def _attention_kernels(wi, si, wo, so, x, gated, heads, kv_heads, head_dim, q_no
     o = att.reshape((1, heads * d))
     if gated:
         sigmoid_gate(o, gate)
-    _pass(wo, so, wo, so, o[0], out, SET, 1.0, threads)
+    _pass(wo, so, wo, so, o[0], out[0], SET, 1.0, threads)
+    if residual:
+        add_rms_norm(x2, out, post_norm, layer_eps, h_post)
 
 
 def attention_step(w_qkv: tuple, w_o: tuple, x: np.ndarray, gated: bool, shape: tuple[int, int, int],
                    q_norm: np.ndarray, k_norm: np.ndarray, eps: float, inv_freq: np.ndarray, rotary_dim: int,
-                   k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> np.ndarray:
+                   k_cache: np.ndarray, v_cache: np.ndarray, start: int, norms: tuple | None = None) -> np.ndarray:
     """o_proj(attention(...)) for one token x float32[H] at position `start`: float32[1, H].
     w_qkv, w_o from `qlinear.pass_operands`; shape = (heads, kv heads, head dim); the
-    caches [kv heads, >= start + 1, head dim] get the token's key and value at `start`."""
+    caches [kv heads, >= start + 1, head dim] get the token's key and value at `start`.
+    With norms = (input norm, post norm, eps), x is the layer's residual stream [1, H], as
+    `deltanet_step` takes it (`dense.residual_norms`)."""
     heads, kv_heads, head_dim = shape
     (wi, si), (wo, so) = w_qkv, w_o
     y = np.empty(wi.shape[0], dtype=np.float32)
     out = np.empty((1, wo.shape[0]), dtype=np.float32)
-    _attention_kernels(wi, si, wo, so, np.ascontiguousarray(x, dtype=np.float32), gated, heads, kv_heads, head_dim,
-                       q_norm, k_norm, float(eps), inv_freq, rotary_dim, k_cache, v_cache, start, _thread_count(),
-                       y, out[0])
-    return out
+    residual, in_norm, post_norm, layer_eps, xn, h_post, x2 = residual_norms(norms, x)
+    _attention_kernels(wi, si, wo, so, x2, gated, heads, kv_heads, head_dim, q_norm, k_norm, float(eps), inv_freq,
+                       rotary_dim, k_cache, v_cache, start, _thread_count(), y, out, residual, in_norm, post_norm,
+                       layer_eps, xn, h_post)
+    return h_post if residual else out

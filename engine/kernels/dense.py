@@ -81,6 +81,31 @@ def rms_norm(x, w, eps, out):
             out[t, i] = (x[t, i] * inv) * w[i]
 
 
+@njit(nogil=True, fastmath=False, cache=True)
+def add_rms_norm(x, y, w, eps, out):
+    """x += y (float32, element by element, as NumPy's `x += y`), then out = `rms_norm` of the
+    new x: a decoded layer's residual add and its next norm in one call."""
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            x[t, i] = x[t, i] + y[t, i]
+    rms_norm(x, w, eps, out)
+
+
+_NO_NORM = np.empty(0, np.float32)
+_NO_ROWS = np.empty((1, 0), np.float32)
+
+
+def residual_norms(norms: tuple | None, x: np.ndarray) -> tuple:
+    """A decode step's residual operands: (True, input norm, post norm, eps, the input norm's
+    output, the post norm's output, x [1, H] as given) with norms = (input norm, post norm,
+    eps), where x is the residual stream; else (False, stand-ins..., x as the normed
+    input [1, H])."""
+    if norms is None:
+        return False, _NO_NORM, _NO_NORM, 0.0, _NO_ROWS, _NO_ROWS, np.ascontiguousarray(x, dtype=np.float32).reshape(1, -1)
+    in_norm, post_norm, eps = norms
+    return (True, in_norm, post_norm, float(eps), np.empty(x.shape, np.float32), np.empty(x.shape, np.float32), x)
+
+
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x2 = x.reshape(-1, x.shape[-1])
     out = np.empty_like(x2)

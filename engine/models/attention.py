@@ -82,6 +82,17 @@ class Attention:
     def new_state(self) -> KVCache:
         return KVCache(self.cfg.n_kv_heads, self.cfg.head_dim)
 
+    def decode_residual(self, x: np.ndarray, start: int, cache: KVCache, norms: tuple) -> np.ndarray | None:
+        """One decoded token's half of the layer in one compiled call, as `DeltaNet.decode_residual`:
+        x [1, H] += forward(input norm(x)) in place; returns the post norm of the new x."""
+        if self._step_weights is None:
+            return None
+        cfg = self.cfg
+        cache.ensure(start + 1)
+        return attention_step(*self._step_weights, x, self.gated, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
+                              self.q_norm, self.k_norm, cfg.rms_eps, self.inv_freq, cfg.rotary_dim, cache.k, cache.v,
+                              start, norms)
+
     def forward(self, x: np.ndarray, start: int, cache: KVCache, exact: bool = False) -> np.ndarray:
         """x: normed hidden states [T, H] at positions start..start+T-1; `exact` (PREFILL_EXACT):
         a prompt's attention by decode's token-by-token kernel, so that it gets decode's bits."""
