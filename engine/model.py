@@ -293,22 +293,31 @@ class Engine:
             with prompt_heap(), self.threads.prompt():
                 return self._forward(ids, all_logits, phase or "prefill")
 
-    def _mixer_half(self, layer: Layer, state, x: np.ndarray, ctx: "_PassContext") -> np.ndarray:
+    def _mixer_half(self, layer: Layer, state, x: np.ndarray, ctx: "_PassContext", router=None) -> np.ndarray:
         """x += mixer(input norm(x)) in place; returns the post norm of the new x (the MLP's input).
 
         A decoded token takes the norms and the residual add in the mixer's one compiled call
         where it has one (`decode_residual`; the same kernels in the same order, so the same
-        bits), booked with the mixer; PILOT reads x after the add either way."""
+        bits), booked with the mixer, and the MoE `router` block too when given (booked as
+        "router", by the clock readings the call takes around it); PILOT reads x after the
+        add either way."""
         cfg = self.config
         timers = ctx.timers
         t0 = time.perf_counter()
         h = None
+        router_s = 0.0
         if x.shape[0] == 1:
-            h = layer.mixer.decode_residual(x, self.pos, state, (layer.input_norm, layer.post_norm, cfg.rms_eps))
+            stamps = np.zeros(2, dtype=np.int64)
+            h = layer.mixer.decode_residual(x, self.pos, state, (layer.input_norm, layer.post_norm, cfg.rms_eps),
+                                            router, stamps)
+            if h is not None and router is not None:
+                router.ran = True
+                router_s = 1e-9 * float(stamps[1] - stamps[0])
         if h is None:
             x += layer.mixer.forward(rmsnorm(x, layer.input_norm, cfg.rms_eps), self.pos, state,
                                      exact=ctx.knobs.PREFILL_EXACT)
-        timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0
+        timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0 - router_s
+        timers["router"] += router_s
         if ctx.knobs.PILOT:
             t0 = time.perf_counter()
             self._pilot().after_mixer(layer.index, x, ctx.knobs)
@@ -329,8 +338,11 @@ class Engine:
         last = self.layers[-1]
         for layer, state in zip(self.layers, self.states):
             self.threads.follow()  # a reading of the load at most every SAMPLE_S; the count per layer
-            h = self._mixer_half(layer, state, x, ctx)
-            out, routes = layer.mlp.forward(h, ctx, last_row_only=trim_last and layer is last)
+            # a decoded token's router block runs in its mixer's call (not with PILOT: its
+            # prefetch reads start between the two)
+            router = layer.mlp.decode_router(ctx) if T == 1 and not ctx.knobs.PILOT else None
+            h = self._mixer_half(layer, state, x, ctx, router)
+            out, routes = layer.mlp.forward(h, ctx, last_row_only=trim_last and layer is last, router=router)
             x += out
             routes_by_layer.append(routes)
         self._count_routes(routes_by_layer)

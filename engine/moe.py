@@ -22,7 +22,7 @@ from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
 from tierlab.engine.kernels.dense import (PAIRWISE_BLOCK, add_weighted_rows, linear, route_rows, shared_expert_inputs,
                                           softmax_row)
-from tierlab.engine.kernels.moe_step import router_operands, router_step
+from tierlab.engine.kernels.moe_step import RouterCall, router_operands
 from tierlab.engine.kernels.shared_step import shared_expert_step
 from tierlab.engine.qlinear import pass_operands
 
@@ -67,9 +67,9 @@ class MoEBlock:
             self.router_w = rows[0]
         # a decoded token's router block, shared expert and stock routing in one compiled
         # call, where the router block is one launch and the shared expert's down one pass
-        self._router_step = router_operands(self.w_in)
+        self._router_block = router_operands(self.w_in)
         if S and self._shared_step_weights is None:
-            self._router_step = None
+            self._router_block = None
 
     # -- routing ---------------------------------------------------------------
     def route(self, logits: np.ndarray, ctx) -> LayerRoute:
@@ -113,17 +113,34 @@ class MoEBlock:
                           np.zeros(K, dtype=np.bool_), slots=K, probs=probs[t])
 
     # -- compute ---------------------------------------------------------------
-    def forward(self, x: np.ndarray, ctx, last_row_only: bool = False) -> tuple[np.ndarray, list[LayerRoute]]:
+    def decode_router(self, ctx, x: np.ndarray | None = None) -> RouterCall | None:
+        """A decoded token's router block as one compiled call (`moe_step.RouterCall`): the block's
+        launch, the shared expert and, with the stock router, the routing; its input x, or one
+        that the layer's mixer step writes and runs the block on in its own call. None where
+        the block is not one launch (`forward` takes the calls one by one)."""
+        if self._router_block is None:
+            return None
+        cfg = self.cfg
+        K = cfg.top_k
+        plain = self._routes_plainly(ctx) and (K <= PAIRWISE_BLOCK or not cfg.norm_topk_prob)
+        return RouterCall(self._router_block, self._shared_step_weights, cfg.hidden_size, cfg.n_experts,
+                          cfg.shared_inter, K, cfg.norm_topk_prob, plain, x)
+
+    def forward(self, x: np.ndarray, ctx, last_row_only: bool = False,
+                router: RouterCall | None = None) -> tuple[np.ndarray, list[LayerRoute]]:
         """x: normed hidden states [T, H]; returns the block output and each token's route.
 
         `last_row_only`: only the output's last row will be read (a prompt's last layer when
         only the next token's logits are wanted). Every token is still routed and claimed, so
         routing records, meters, heat and residency are what they would be, but a grouped
         prompt computes only the experts the last token uses (with all their tokens, so its
-        row keeps its bits); the other rows hold the shared expert's output alone."""
+        row keeps its bits); the other rows hold the shared expert's output alone.
+
+        `router`: this token's `decode_router`, already run by the layer's mixer step when
+        its `ran` is set."""
         T, H = x.shape
-        if T == 1 and self._router_step is not None:
-            return self._decode(x, ctx)
+        if T == 1 and self._router_block is not None:
+            return self._decode(x, ctx, router)
         timers = ctx.timers
         t0 = time.perf_counter()
         fused = linear(self.w_in, x).reshape(T, -1)
@@ -143,26 +160,26 @@ class MoEBlock:
             out += shared
         return out, routes
 
-    def _decode(self, x: np.ndarray, ctx) -> tuple[np.ndarray, list[LayerRoute]]:
-        """`forward` for one token: the router block, the shared expert and (with the stock
-        router) the routing in one compiled call (`moe_step.router_step`), booked as
-        "router"; the same kernels in the same order as `forward`'s general path, so the
-        same bits (tests/test_moe_step.py)."""
+    def _decode(self, x: np.ndarray, ctx, router: RouterCall | None) -> tuple[np.ndarray, list[LayerRoute]]:
+        """`forward` for one token, the router block in one compiled call (`decode_router`; run
+        here unless the mixer's step ran it), booked as "router": the same kernels in the
+        same order as `forward`'s general path, so the same bits (tests/test_moe_step.py)."""
         timers = ctx.timers
-        cfg = self.cfg
-        E, K = cfg.n_experts, cfg.top_k
         t0 = time.perf_counter()
-        plain = self._routes_plainly(ctx) and (K <= PAIRWISE_BLOCK or not cfg.norm_topk_prob)
-        fused, shared, choices = router_step(self._router_step, self._shared_step_weights, x[0], E,
-                                             cfg.shared_inter, K, cfg.norm_topk_prob, plain)
-        logits = fused[0, :E]
-        route = self._plain_route(choices, 0, ctx) if plain else self.route(np.ascontiguousarray(logits), ctx)
+        if router is None or not router.ran:
+            router = self.decode_router(ctx, x)
+            router.run()
+        logits = router.fused[0, :self.cfg.n_experts]
+        if router.plain:
+            route = self._plain_route(router.choices, 0, ctx)
+        else:
+            route = self.route(np.ascontiguousarray(logits), ctx)
         timers["router"] += time.perf_counter() - t0
         out = np.zeros((1, x.shape[1]), dtype=np.float32)
         self._experts(x[0], route, out[0], ctx)
         ctx.after_route(self.layer, route, logits)
-        if shared is not None:
-            out += shared
+        if router.term is not None:
+            out += router.term
         return out, [route]
 
     def _shared_expert(self, fused: np.ndarray, E: int, S: int, timers) -> np.ndarray:
@@ -313,6 +330,10 @@ class DenseBlock:
     def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> None:
         self.mlp = SwiGLU(ckpt, f"layers.{layer}.mlp.", cfg.hidden_size, cfg.dense_inter)
 
-    def forward(self, x: np.ndarray, ctx, last_row_only: bool = False) -> tuple[np.ndarray, list]:
+    def decode_router(self, ctx, x: np.ndarray | None = None) -> None:
+        """No router: nothing for the mixer's step to run."""
+        return None
+
+    def forward(self, x: np.ndarray, ctx, last_row_only: bool = False, router=None) -> tuple[np.ndarray, list]:
         return self.mlp.forward(x), []
 

@@ -2,7 +2,7 @@
 of the block's calls one by one, and leaves the same routing records and the same store.
 
 Two engines over one checkpoint decode the same tokens: one as shipped, one made to take the
-general path (`MoEBlock._router_step` None: the router block's launch, the shared expert's step
+general path (`MoEBlock._router_block` None: the router block's launch, the shared expert's step
 and the routing as separate calls; `ExpertStore._compute_resident` refused: acquire, one launch
 pair, release, the weighted sum from Python). Logits, every routing record and the store's LRU
 state must agree after every token, for a bf16 router block (experts int4), a RowStack one
@@ -37,7 +37,7 @@ def models(tmp_path_factory):
 def _general(engine):
     """The engine made to take the block's calls one by one."""
     for layer in engine.layers:
-        layer.mlp._router_step = None
+        layer.mlp._router_block = None
     engine.store._compute_resident = lambda *a, **kw: False
     return engine
 
@@ -62,7 +62,7 @@ def test_decode_block_gives_the_calls_bits(models, name, knobs):
     fast, general = engines[0], _general(engines[1])
     try:
         mlp = fast.layers[0].mlp
-        assert mlp._router_step is not None
+        assert mlp._router_block is not None
         if name.endswith("-d4") or name.endswith("-d8"):
             assert isinstance(mlp.w_in, RowStack)  # the stacked launch
         events = [[], []]
@@ -78,6 +78,8 @@ def test_decode_block_gives_the_calls_bits(models, name, knobs):
             assert logits[0].tobytes() == logits[1].tobytes(), step
             assert _store_state(fast) == _store_state(general), step
         assert taken, "no token took the resident path"
+        # the router block ran inside the mixers' calls: its share is booked apart, from the clock
+        assert fast.timers["router"] > 0 and fast.timers["deltanet"] > 0 and fast.timers["attention"] > 0
         assert len(events[0]) == len(PROMPT) + 12
         assert _records(e.layers for e in events[0]) == _records(e.layers for e in events[1])
     finally:

@@ -4,9 +4,9 @@
 Why: `bench decode`'s phases say which part of a layer is slow; a kernel benchmark
 says what a kernel does alone, from DRAM, with nothing else in the caches. This
 times every call inside real decode steps (each `linear` by its weight's kind and
-shape, the DeltaNet and attention layers and the shared expert, each one call in
-decode, the routed experts' kernel launches, the store's bookkeeping, routing, norms
-and the per-token meters), so each can be set against
+shape, the DeltaNet and attention layers with their MoE router block, each one call
+in decode, a layer's routed experts in one call, routing records, norms and the
+per-token meters), so each can be set against
 the bytes it reads: a 1 MiB matrix that takes three times its memory time is
 launch and Python overhead, not bandwidth. The wrappers add about a microsecond
 per call, so the figures are a little high for the cheapest calls.
@@ -63,18 +63,23 @@ def instrument() -> None:
     for module in (moe, deltanet, attention, model):
         module.linear = timed_linear
     deltanet.gated_deltanet = _timed(deltanet.gated_deltanet, "DeltaNet recurrence (gated_deltanet)")
-    # decode's one-call layers (a prompt's calls above): engine/kernels/*_step.py
-    deltanet.deltanet_step = _timed(deltanet.deltanet_step, "DeltaNet layer, one call (deltanet_step)")
-    attention.attention_step = _timed(attention.attention_step, "attention layer, one call (attention_step)")
+    # decode's one-call layers (a prompt's calls above): engine/kernels/*_step.py; a MoE layer's
+    # router block runs inside them (the "router" phase of `bench decode` gives its share)
+    deltanet.deltanet_step = _timed(deltanet.deltanet_step, "DeltaNet layer + router block, one call (deltanet_step)")
+    attention.attention_step = _timed(attention.attention_step,
+                                      "attention layer + router block, one call (attention_step)")
+    moe.RouterCall.run = _timed(moe.RouterCall.run, "router block alone, one call (RouterCall.run)")
     moe.shared_expert_step = _timed(moe.shared_expert_step, "shared expert, one call (shared_expert_step)")
     model.rmsnorm = _timed(model.rmsnorm, "rmsnorm (layer norms)")
-    moe.add_weighted = _timed(moe.add_weighted, "experts' weighted sum (add_weighted)")
+    expert_store.add_weighted = _timed(expert_store.add_weighted, "experts' weighted sum (add_weighted)")
     kernel = qmatvec._experts
     modes = {qmatvec.GATE_UP: "routed experts gate|up launch", qmatvec.ADD: "routed experts down launch"}
     qmatvec._experts = _timed(kernel, lambda *a: modes.get(a[9], "routed experts launch"))
     store = expert_store.ExpertStore
-    store.compute = _timed(store.compute, "store.compute (all of a layer's experts)")
+    store.compute_weighted = _timed(store.compute_weighted,
+                                    "store.compute_weighted (a layer's experts: claims, launches, release, sum)")
     moe.MoEBlock.route = _timed(moe.MoEBlock.route, "routing record (MoEBlock.route)")
+    moe.MoEBlock._plain_route = _timed(moe.MoEBlock._plain_route, "stock routing record (MoEBlock._plain_route)")
     model.Engine._publish = _timed(model.Engine._publish, "per-token meters (_publish)")
     model.Engine._count_routes = _timed(model.Engine._count_routes, "heat counts (_count_routes)")
 

@@ -15,6 +15,8 @@ import numpy as np
 from numba import njit
 
 from tierlab.engine.kernels.dense import add_rms_norm, attention, residual_norms, rms_norm, rope_inplace, sigmoid_gate
+from tierlab.engine.kernels.clock import monotonic_ns
+from tierlab.engine.kernels.moe_step import router_block
 from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
 
 
@@ -65,20 +67,36 @@ def _attention_kernels(wi, si, wo, so, x2, gated, heads, kv_heads, head_dim, q_n
         add_rms_norm(x2, out, post_norm, layer_eps, h_post)
 
 
+@njit(nogil=True, cache=True)
+def _attention_then_router(layer_args, router_args, stamps):
+    """The step (with its norms), then the MoE router block on its post norm; stamps gets the
+    monotonic clock at the block's start and end (the router's share of the call)."""
+    _attention_kernels(*layer_args)
+    stamps[0] = monotonic_ns()
+    router_block(*router_args)
+    stamps[1] = monotonic_ns()
+
+
 def attention_step(w_qkv: tuple, w_o: tuple, x: np.ndarray, gated: bool, shape: tuple[int, int, int],
                    q_norm: np.ndarray, k_norm: np.ndarray, eps: float, inv_freq: np.ndarray, rotary_dim: int,
-                   k_cache: np.ndarray, v_cache: np.ndarray, start: int, norms: tuple | None = None) -> np.ndarray:
+                   k_cache: np.ndarray, v_cache: np.ndarray, start: int, norms: tuple | None = None, router=None,
+                   stamps: np.ndarray | None = None) -> np.ndarray:
     """o_proj(attention(...)) for one token x float32[H] at position `start`: float32[1, H].
     w_qkv, w_o from `qlinear.pass_operands`; shape = (heads, kv heads, head dim); the
     caches [kv heads, >= start + 1, head dim] get the token's key and value at `start`.
     With norms = (input norm, post norm, eps), x is the layer's residual stream [1, H], as
-    `deltanet_step` takes it (`dense.residual_norms`)."""
+    `deltanet_step` takes it (`dense.residual_norms`), and with a `router` its block runs in
+    the same call, as there."""
     heads, kv_heads, head_dim = shape
     (wi, si), (wo, so) = w_qkv, w_o
     y = np.empty(wi.shape[0], dtype=np.float32)
     out = np.empty((1, wo.shape[0]), dtype=np.float32)
-    residual, in_norm, post_norm, layer_eps, xn, h_post, x2 = residual_norms(norms, x)
-    _attention_kernels(wi, si, wo, so, x2, gated, heads, kv_heads, head_dim, q_norm, k_norm, float(eps), inv_freq,
-                       rotary_dim, k_cache, v_cache, start, _thread_count(), y, out, residual, in_norm, post_norm,
-                       layer_eps, xn, h_post)
+    residual, in_norm, post_norm, layer_eps, xn, h_post, x2 = residual_norms(norms, x,
+                                                                           None if router is None else router.x)
+    args = (wi, si, wo, so, x2, gated, heads, kv_heads, head_dim, q_norm, k_norm, float(eps), inv_freq, rotary_dim,
+            k_cache, v_cache, start, _thread_count(), y, out, residual, in_norm, post_norm, layer_eps, xn, h_post)
+    if router is None:
+        _attention_kernels(*args)
+    else:
+        _attention_then_router(args, router.args, stamps)
     return h_post if residual else out

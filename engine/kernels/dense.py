@@ -95,15 +95,16 @@ _NO_NORM = np.empty(0, np.float32)
 _NO_ROWS = np.empty((1, 0), np.float32)
 
 
-def residual_norms(norms: tuple | None, x: np.ndarray) -> tuple:
+def residual_norms(norms: tuple | None, x: np.ndarray, post: np.ndarray | None = None) -> tuple:
     """A decode step's residual operands: (True, input norm, post norm, eps, the input norm's
-    output, the post norm's output, x [1, H] as given) with norms = (input norm, post norm,
-    eps), where x is the residual stream; else (False, stand-ins..., x as the normed
-    input [1, H])."""
+    output, the post norm's output (`post`, or a new array), x [1, H] as given) with
+    norms = (input norm, post norm, eps), where x is the residual stream; else (False,
+    stand-ins..., x as the normed input [1, H])."""
     if norms is None:
         return False, _NO_NORM, _NO_NORM, 0.0, _NO_ROWS, _NO_ROWS, np.ascontiguousarray(x, dtype=np.float32).reshape(1, -1)
     in_norm, post_norm, eps = norms
-    return (True, in_norm, post_norm, float(eps), np.empty(x.shape, np.float32), np.empty(x.shape, np.float32), x)
+    post = np.empty(x.shape, np.float32) if post is None else post
+    return True, in_norm, post_norm, float(eps), np.empty(x.shape, np.float32), post, x
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

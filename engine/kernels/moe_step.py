@@ -28,79 +28,76 @@ from tierlab.engine.kernels.qmatvec import _WEIGHT_MARKER, ADD, GATE_UP, SET, _e
 from tierlab.engine.kernels.shared_step import _shared_kernels
 from tierlab.engine.kernels.slot_claims import claim_resident, release_slots
 
-# stand-ins for the operands a call does not use (one launch kind, no shared expert)
-_NO_ROWS_PLAIN = np.empty((0, 0), np.uint16)
-_NO_ROWS_QUANT = np.empty((0, 0), np.uint8)
-_NO_SCALES = np.empty((0, 0), np.float32)
-
-
 @njit(nogil=True, cache=True)
-def _shared_and_route(fused, has_shared, wd, sd, start, size, h, gate, term, plain, k, norm, probs, chosen,
-                      true_topk, top_probs, weights, threads):
-    if has_shared:
+def router_block(wa, qb, sb, wc, x, fused, wd, sd, start, size, h, gate, term, plain, k, norm, probs, chosen,
+                 true_topk, top_probs, weights, threads):
+    """The router block's launch (one matrix qb/sb when wa is None, else the RowStack's one
+    launch), the shared expert's step unless wd is None, and with `plain` the stock routing.
+    A None operand is known when numba compiles: its branch is left out of the code."""
+    if wa is None:
+        _pass(qb, sb, qb, sb, x, fused[0], SET, 1.0, threads)
+    else:
+        _stack_pass(wa, qb, sb, wc, x, fused[0])
+    if wd is not None:
         _shared_kernels(wd, sd, fused, start, size, h, gate, term, threads)
     if plain:
         route_rows(fused[:, :start], k, norm, probs, chosen, true_topk, top_probs, weights)
 
 
-@njit(nogil=True, cache=True)
-def _stacked_router_kernels(wa, qb, sb, wc, x, fused, has_shared, wd, sd, start, size, h, gate, term, plain, k,
-                            norm, probs, chosen, true_topk, top_probs, weights, threads):
-    _stack_pass(wa, qb, sb, wc, x, fused[0])
-    _shared_and_route(fused, has_shared, wd, sd, start, size, h, gate, term, plain, k, norm, probs, chosen,
-                      true_topk, top_probs, weights, threads)
-
-
-@njit(nogil=True, cache=True)
-def _router_kernels(w, s, x, fused, has_shared, wd, sd, start, size, h, gate, term, plain, k, norm, probs, chosen,
-                    true_topk, top_probs, weights, threads):
-    _pass(w, s, w, s, x, fused[0], SET, 1.0, threads)
-    _shared_and_route(fused, has_shared, wd, sd, start, size, h, gate, term, plain, k, norm, probs, chosen,
-                      true_topk, top_probs, weights, threads)
-
-
 def router_operands(w_in) -> tuple | None:
-    """The router block as `router_step` launches it: (True, wa, q, scales, wc) for a RowStack
-    that `qmatvec.stack_parts` accepted, (False, -, w, scales, -) for one matrix that
+    """The router block as `router_block` launches it: (wa, q, scales, wc) for a RowStack that
+    `qmatvec.stack_parts` accepted, (None, w, scales, None) for one matrix that
     `qlinear.pass_operands` accepts, None where neither holds."""
     from tierlab.engine.qlinear import pass_operands
 
     stack = getattr(w_in, "one_launch", None)
     if stack is not None:
-        wa, q, scales, wc = stack
-        return True, wa, q, scales, wc
+        return stack
     single = pass_operands(w_in)
     if single is None:
         return None
     w, scales = single
-    return False, _NO_ROWS_PLAIN, w, scales, _NO_ROWS_PLAIN
+    return None, w, scales, None
 
 
-def router_step(operands: tuple, shared_down: tuple | None, x: np.ndarray, n_experts: int, shared_inter: int,
-                top_k: int, norm: bool, plain: bool) -> tuple:
-    """The router block of one token x float32[H]: (fused float32[1, E + 2S + 1], the shared
-    expert's term float32[1, H] or None, and with `plain` the stock router's choices as
-    `MoEBlock._plain_choices` gives them, else None). `norm` renormalises the top-k in the
-    kernel (top_k <= dense.PAIRWISE_BLOCK)."""
-    stacked, wa, qb, sb, wc = operands
-    rows = wa.shape[0] + qb.shape[0] + wc.shape[0]
-    fused = np.empty((1, rows), dtype=np.float32)
-    has_shared = shared_down is not None
-    wd, sd = shared_down if has_shared else (_NO_ROWS_PLAIN, _NO_ROWS_PLAIN)
-    h = np.empty((1, shared_inter), dtype=np.float32)
-    gate = np.empty(1, dtype=np.float32)
-    term = np.empty((1, wd.shape[0] if has_shared else 0), dtype=np.float32)
-    probs = np.empty((1, n_experts), dtype=np.float32)
-    chosen = np.empty((2, 1, top_k), dtype=np.int32)
-    values = np.empty((2, 1, top_k), dtype=np.float32)
-    tail = (np.ascontiguousarray(x, dtype=np.float32), fused, has_shared, wd, sd, n_experts, shared_inter, h, gate,
-            term, plain, top_k, norm, probs, chosen[0], chosen[1], values[0], values[1], _thread_count())
-    if stacked:
-        _stacked_router_kernels(wa, qb, sb, wc, *tail)
-    else:
-        _router_kernels(qb, sb, *tail)
-    choices = (probs, chosen[0], chosen[1], values[0], values[1]) if plain else None
-    return fused, (term if has_shared else None), choices
+class RouterCall:
+    """One decoded token's router block: its operands and the fresh arrays its compiled call
+    fills. `x` is the block's input (the layer's post norm): a mixer's one-call step writes
+    it and runs the block in the same call (`args`); `run` runs the block alone."""
+
+    def __init__(self, operands: tuple, shared_down: tuple | None, hidden: int, n_experts: int, shared_inter: int,
+                 top_k: int, norm: bool, plain: bool, x: np.ndarray | None = None) -> None:
+        wa, qb, sb, wc = operands
+        rows = qb.shape[0] + (0 if wa is None else wa.shape[0] + wc.shape[0])
+        self.x = np.empty((1, hidden), dtype=np.float32) if x is None else np.ascontiguousarray(x, dtype=np.float32)
+        self.ran = False  # set once the block has run (alone, or in a mixer's call)
+        self.fused = np.empty((1, rows), dtype=np.float32)
+        wd, sd = shared_down if shared_down is not None else (None, None)
+        self.term = np.empty((1, hidden), dtype=np.float32) if wd is not None else None
+        self.plain = plain
+        self.probs = np.empty((1, n_experts), dtype=np.float32)
+        chosen = np.empty((2, 1, top_k), dtype=np.int32)
+        values = np.empty((2, 1, top_k), dtype=np.float32)
+        self._chosen, self._values = chosen, values
+        h = np.empty((1, shared_inter), dtype=np.float32)
+        gate = np.empty(1, dtype=np.float32)
+        self.args = (wa, qb, sb, wc, self.x[0], self.fused, wd, sd, n_experts, shared_inter, h, gate,
+                     self.term if wd is not None else _NO_TERM, plain, top_k, norm, self.probs, chosen[0], chosen[1],
+                     values[0], values[1], _thread_count())
+
+    def run(self) -> None:
+        router_block(*self.args)
+        self.ran = True
+
+    @property
+    def choices(self) -> tuple | None:
+        """With the stock router, its choices as `MoEBlock._plain_choices` gives them."""
+        if not self.plain:
+            return None
+        return self.probs, self._chosen[0], self._chosen[1], self._values[0], self._values[1]
+
+
+_NO_TERM = np.empty((1, 0), dtype=np.float32)
 
 
 @njit(nogil=True, cache=True)

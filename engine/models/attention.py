@@ -82,7 +82,8 @@ class Attention:
     def new_state(self) -> KVCache:
         return KVCache(self.cfg.n_kv_heads, self.cfg.head_dim)
 
-    def decode_residual(self, x: np.ndarray, start: int, cache: KVCache, norms: tuple) -> np.ndarray | None:
+    def decode_residual(self, x: np.ndarray, start: int, cache: KVCache, norms: tuple, router=None,
+                        stamps: np.ndarray | None = None) -> np.ndarray | None:
         """One decoded token's half of the layer in one compiled call, as `DeltaNet.decode_residual`:
         x [1, H] += forward(input norm(x)) in place; returns the post norm of the new x."""
         if self._step_weights is None:
@@ -91,7 +92,7 @@ class Attention:
         cache.ensure(start + 1)
         return attention_step(*self._step_weights, x, self.gated, (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
                               self.q_norm, self.k_norm, cfg.rms_eps, self.inv_freq, cfg.rotary_dim, cache.k, cache.v,
-                              start, norms)
+                              start, norms, router, stamps)
 
     def forward(self, x: np.ndarray, start: int, cache: KVCache, exact: bool = False) -> np.ndarray:
         """x: normed hidden states [T, H] at positions start..start+T-1; `exact` (PREFILL_EXACT):

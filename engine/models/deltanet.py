@@ -79,16 +79,18 @@ class GatedDeltaNet:
             recurrent=np.zeros((cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), dtype=np.float32),
         )
 
-    def decode_residual(self, x: np.ndarray, start: int, state: DeltaNetState, norms: tuple) -> np.ndarray | None:
+    def decode_residual(self, x: np.ndarray, start: int, state: DeltaNetState, norms: tuple, router=None,
+                        stamps: np.ndarray | None = None) -> np.ndarray | None:
         """One decoded token's half of the layer in one compiled call: x [1, H], the residual
         stream, += forward(input norm(x)) in place; returns the post norm of the new x, with
-        norms = (input norm, post norm, eps). None where the one-call step does not apply."""
+        norms = (input norm, post norm, eps), and runs the MoE `router` block on it in the
+        same call when given (`deltanet_step`). None where the one-call step does not apply."""
         if self._step_weights is None:
             return None
         cfg = self.cfg
         return deltanet_step(*self._step_weights, self.splits, x, state.conv, self.conv_taps, self.a_log,
                              self.dt_bias, self.norm_w, cfg.rms_eps, state.recurrent,
-                             (cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), norms)
+                             (cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim), norms, router, stamps)
 
     def forward(self, x: np.ndarray, start: int, state: DeltaNetState, exact: bool = False) -> np.ndarray:
         """x: normed hidden states [T, H]; `exact`: a prompt gets decode's bits (PREFILL_EXACT)."""
