@@ -489,28 +489,32 @@ class ExpertStore:
         return hits, misses, on_gpu, shadow
 
     def compute_weighted(self, layer: int, chosen: np.ndarray, weights: np.ndarray, x: np.ndarray, y: np.ndarray,
-                         timers: dict, stock: np.ndarray | None = None) -> tuple[int, int, list[int], Shadow | None]:
+                         timers: dict, stock: np.ndarray | None = None,
+                         term: np.ndarray | None = None) -> tuple[int, int, list[int], Shadow | None]:
         """y += weights[s] * expert chosen[s] applied to x, over the slots with an expert, in rank
-        order: `compute` and then the weighted sum (`dense.add_weighted`), or for a token
-        whose experts are all ready in RAM slots both in one compiled call. Returns what
-        `compute` returns."""
+        order, then y += term (the shared expert's, when given): `compute`, the weighted sum
+        (`dense.add_weighted`) and the add, or for a token whose experts are all ready in RAM
+        slots all in one compiled call. Returns what `compute` returns."""
         K = chosen.shape[0]
         outputs = np.zeros((K, x.shape[0]), dtype=np.float32)
         if self._tier is None and K > 1:
-            shadow = self._compute_resident(layer, chosen, x, outputs, timers, stock, weights, y)
+            shadow = self._compute_resident(layer, chosen, x, outputs, timers, stock, weights, y, term)
             if shadow is not False:
                 return K, 0, [], shadow
         result = self.compute(layer, chosen, x, outputs, timers, stock)
         add_weighted(y, chosen, weights, outputs)
+        if term is not None:
+            y += term
         return result
 
     def _compute_resident(self, layer: int, chosen: np.ndarray, x: np.ndarray, outputs: np.ndarray,
                           timers: dict, stock: np.ndarray | None, weights: np.ndarray | None = None,
-                          y: np.ndarray | None = None) -> Shadow | None | bool:
+                          y: np.ndarray | None = None, term: np.ndarray | None = None) -> Shadow | None | bool:
         """`compute` for a token whose experts are all ready in RAM slots (a warm chat's
         usual token), in one compiled call (`moe_step.resident_experts_step`) under the
         store's lock: the same holds, LRU stamps and hit counts as `acquire` and `release`,
-        one launch pair for the experts, and with `weights` the weighted sum into y.
+        one launch pair for the experts, and with `weights` the weighted sum into y (then
+        y += term, when given).
         Returns the shadow counts (None without `stock`), or False, having changed nothing,
         when an expert is not ready (the caller takes the general path).
 
@@ -532,14 +536,13 @@ class ExpertStore:
         t0 = time.perf_counter()
         with self._cond:
             # under the lock: set_slots may replace the layer until then
-            clock = resident_experts_step(self._layers[layer], source.kind, source.hidden,
-                                          source.inter, experts, self._clock, slots, stock_ids, shadow, x, outputs,
-                                          self._rows(experts.shape[0]), weights, y)
+            clock = resident_experts_step(self._layers[layer], source.kind, source.hidden, source.inter, experts,
+                                          self._clock, slots, stock_ids, shadow, x, outputs,
+                                          self._rows(experts.shape[0]), self._hits, layer, weights, y, term)
             if clock < 0:
                 return False
             self._clock = clock
-            self._hits[layer] += experts.shape[0]
-            self._cond.notify_all()
+            # no notify: the slots were held and given back under this one hold of the lock
         timers["compute"] += time.perf_counter() - t0
         return None if stock is None else Shadow(ram_hits=int(shadow[0]), ram_misses=int(shadow[1]), vram=0)
 

@@ -176,10 +176,8 @@ class MoEBlock:
             route = self.route(np.ascontiguousarray(logits), ctx)
         timers["router"] += time.perf_counter() - t0
         out = np.zeros((1, x.shape[1]), dtype=np.float32)
-        self._experts(x[0], route, out[0], ctx)
+        self._experts(x[0], route, out[0], ctx, None if router.term is None else router.term[0])
         ctx.after_route(self.layer, route, logits)
-        if router.term is not None:
-            out += router.term
         return out, [route]
 
     def _shared_expert(self, fused: np.ndarray, E: int, S: int, timers) -> np.ndarray:
@@ -303,10 +301,11 @@ class MoEBlock:
             store.end_prompt(prompt)
         return routes
 
-    def _experts(self, x: np.ndarray, route: LayerRoute, y: np.ndarray, ctx) -> None:
-        """y += sum over slots in rank order of weight * expert(x), each expert computed where it lives."""
+    def _experts(self, x: np.ndarray, route: LayerRoute, y: np.ndarray, ctx, term: np.ndarray | None = None) -> None:
+        """y += sum over slots in rank order of weight * expert(x), each expert computed where it
+        lives; then y += term (the shared expert's, when given)."""
         hits, misses, on_gpu, shadow = ctx.store.compute_weighted(self.layer, route.chosen, route.weights, x, y,
-                                                                  ctx.timers, stock=route.true_topk)
+                                                                  ctx.timers, stock=route.true_topk, term=term)
         _add_shadow(route, shadow)
         route.ram_hits += hits
         route.ram_misses += misses

@@ -23,7 +23,7 @@ def _state(store) -> tuple:
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("slots,k", [(8, 3), (5, 3), (4, 2)])
 def test_resident_path_matches_the_general_path(oracle_models, monkeypatch, slots, k, weighted):
-    """`compute`, and `compute_weighted` (the weighted sum in the same compiled call)."""
+    """`compute`, and `compute_weighted` (the weighted sum and the shared term in the same compiled call)."""
     from tierlab.engine.checkpoint import Checkpoint
     from tierlab.engine.config import load_config
     from tierlab.engine.expert_source import RawExpertSource
@@ -45,6 +45,7 @@ def test_resident_path_matches_the_general_path(oracle_models, monkeypatch, slot
             stock = rng.choice(8, k, replace=False).astype(np.int32)  # the router's own top-K, maybe elsewhere
             x = rng.standard_normal(hidden).astype(np.float32)
             weights = rng.random(k).astype(np.float32)
+            term = rng.standard_normal(hidden).astype(np.float32)  # the shared expert's, added last
             results = []
             for store in (fast, general):
                 outputs = np.zeros((k, hidden), dtype=np.float32)
@@ -52,7 +53,7 @@ def test_resident_path_matches_the_general_path(oracle_models, monkeypatch, slot
                 if weighted:  # y starts from a residual, as a layer's output would not: every bit counts
                     outputs = x[::-1].copy()
                     hits, misses, on_gpu, shadow = store.compute_weighted(0, chosen, weights, x, outputs, timers,
-                                                                          stock=stock)
+                                                                          stock=stock, term=term)
                 else:
                     hits, misses, on_gpu, shadow = store.compute(0, chosen, x, outputs, timers, stock=stock)
                 results.append((outputs, hits, misses, on_gpu, shadow, _state(store)))

@@ -102,34 +102,35 @@ _NO_TERM = np.empty((1, 0), dtype=np.float32)
 
 @njit(nogil=True, cache=True)
 def _resident_kernels(slot_of, loading, pf_pass, busy, last, store, marker, hidden, inter, experts, clock, slots,
-                      stock, shadow, x, outputs, rows, weights, y, add):
+                      stock, shadow, x, outputs, rows, weights, y, term, hits, layer):
     clock = claim_resident(slot_of, loading, pf_pass, busy, last, experts, clock, slots, stock, shadow)
     if clock < 0:
         return clock
+    hits[layer] += experts.shape[0]
     h = np.empty((slots.shape[0], inter), np.float32)
     _experts(store, slots, marker, hidden, inter, x, h, outputs, rows, GATE_UP, 1.0)
     _experts(store, slots, marker, hidden, inter, x, h, outputs, rows, ADD, 1.0)
     release_slots(busy, slots)
-    if add:
+    if weights is not None:
         add_weighted(y, experts, weights, outputs)
+        if term is not None:  # the shared expert's term, after the routed experts' sum (as `MoEBlock.forward`)
+            for i in range(y.shape[0]):
+                y[i] = y[i] + term[i]
     return clock
 
 
 def resident_experts_step(layer_state: dict, kind: str, hidden: int, inter: int, experts: np.ndarray,
                           clock: int, slots: np.ndarray, stock: np.ndarray, shadow: np.ndarray, x: np.ndarray,
-                          outputs: np.ndarray, rows: np.ndarray, weights: np.ndarray | None,
-                          y: np.ndarray | None) -> int:
-    """Claims, both launches, release (and with `weights`, y += the weighted sum in rank
-    order) for `experts` int64[K] that are all ready in the layer's RAM slots: outputs
-    [K, hidden] float32, zero, gets each expert's output (rows: 0..K-1). The caller holds
-    the store's lock. Returns the new LRU clock, or -1 having changed nothing when an
-    expert is not ready."""
+                          outputs: np.ndarray, rows: np.ndarray, hits: np.ndarray, layer: int,
+                          weights: np.ndarray | None = None, y: np.ndarray | None = None,
+                          term: np.ndarray | None = None) -> int:
+    """Claims, both launches, release, hits[layer] += K (and with `weights`, y += the weighted
+    sum in rank order, then + `term` when given) for `experts` int64[K] that are all ready in
+    the layer's RAM slots: outputs [K, hidden] float32, zero, gets each expert's output
+    (rows: 0..K-1). The caller holds the store's lock, from the claims to the release, so
+    no other thread sees the slots held. Returns the new LRU clock, or -1 having changed
+    nothing when an expert is not ready."""
     st = layer_state
-    add = weights is not None
     return _resident_kernels(st["slot_of"], st["loading"], st["pf_pass"], st["busy"], st["last"], st["store"],
-                             _WEIGHT_MARKER[kind],
-                             hidden, inter, experts, clock, slots, stock, shadow, x, outputs, rows,
-                             weights if add else _NO_WEIGHTS, y if add else _NO_WEIGHTS, add)
-
-
-_NO_WEIGHTS = np.empty(0, np.float32)
+                             _WEIGHT_MARKER[kind], hidden, inter, experts, clock, slots, stock, shadow, x, outputs,
+                             rows, weights, y, term, hits, layer)
