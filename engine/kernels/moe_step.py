@@ -8,14 +8,16 @@ call paid cache misses on the interpreter's state, 10-30 us a gap
 same kernels run from compiled code on the same operands, in the same order, so
 the block's bits are those of the eight calls (tests/test_moe_step.py):
 
-- `router_step`: the router block's one launch (router logits | shared gate | up |
-  shared gate logit), the shared expert's term (`shared_step`), and with the stock
-  router the routing (`route_rows`);
+- `router_block` (`RouterCall` holds its operands and outputs): the router block's
+  one launch (router logits | shared gate | up | shared gate logit), the shared
+  expert's term (`shared_step`), and with the stock router the routing
+  (`route_rows`). A layer's mixer step runs it in its own call, on the post norm it
+  has just written (`deltanet_step`, `attention_step`);
 - `resident_experts_step`: the store's claims on the experts' RAM slots
   (`slot_claims`), both launches of `qmatvec._experts`, the release, and the
-  weighted sum into the block's output, with the store's lock held by the caller.
-  When an expert is not ready in a slot it changes nothing and says so; the
-  caller takes the general path.
+  weighted sum and the shared term into the block's output, with the store's lock
+  held by the caller. When an expert is not ready in a slot it changes nothing and
+  says so; the caller takes the general path.
 """
 
 from __future__ import annotations
