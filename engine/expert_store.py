@@ -400,12 +400,19 @@ class ExpertStore:
         or None without one).
         """
         K = chosen.shape[0]
-        source = self._source
-        tier = self._tier
-        if tier is None and K > 1:
+        if self._tier is None and K > 1:
             shadow = self._compute_resident(layer, chosen, x, outputs, timers, stock)
             if shadow is not False:
                 return K, 0, [], shadow
+        return self._compute_general(layer, chosen, x, outputs, timers, stock)
+
+    def _compute_general(self, layer: int, chosen: np.ndarray, x: np.ndarray, outputs: np.ndarray,
+                         timers: dict, stock: np.ndarray | None) -> tuple[int, int, list[int], Shadow | None]:
+        """`compute` for a token with a miss, a GPU tier or a single slot: acquire, the resident
+        experts' launch pair while the misses are read, the misses one by one, release."""
+        K = chosen.shape[0]
+        source = self._source
+        tier = self._tier
         hits = misses = 0
         on_gpu: list[int] = []
         ids = chosen.tolist()  # Python ints: the bookkeeping below reads each id several times
@@ -502,7 +509,7 @@ class ExpertStore:
             shadow = self._compute_resident(layer, chosen, x, outputs, timers, stock, weights, y, term)
             if shadow is not False:
                 return K, 0, [], shadow
-        result = self.compute(layer, chosen, x, outputs, timers, stock)
+        result = self._compute_general(layer, chosen, x, outputs, timers, stock)
         add_weighted(y, chosen, weights, outputs)
         if term is not None:
             y += term
@@ -521,11 +528,14 @@ class ExpertStore:
 
         Why the lock is held through the launches: the claims and the release were two
         calls from Python with the launches between them, each after a streaming call
-        (docs/benchmarks.md, "A decoded MoE block in two compiled calls"); a reader that
+        (docs/benchmarks.md, "A decoded MoE layer in two compiled calls"); a reader that
         wants the lock waits one layer's experts, a few hundred microseconds."""
         source = self._source
-        if not (outputs.dtype == np.float32 and outputs.flags.c_contiguous and x.shape == (source.hidden,)
-                and outputs.shape == (chosen.shape[0], source.hidden)):
+        H = source.hidden
+        if not (outputs.dtype == np.float32 and outputs.flags.c_contiguous and x.shape == (H,)
+                and outputs.shape == (chosen.shape[0], H)
+                and (weights is None or (weights.shape == chosen.shape and y.shape == (H,) and y.dtype == np.float32
+                                         and (term is None or (term.shape == (H,) and term.dtype == np.float32))))):
             return False  # the general path's checks name what is wrong
         experts = np.ascontiguousarray(chosen, dtype=np.int64)
         slots = np.empty(experts.shape[0], dtype=np.int64)

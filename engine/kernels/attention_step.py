@@ -15,8 +15,7 @@ import numpy as np
 from numba import njit
 
 from tierlab.engine.kernels.dense import add_rms_norm, attention, residual_norms, rms_norm, rope_inplace, sigmoid_gate
-from tierlab.engine.kernels.clock import monotonic_ns
-from tierlab.engine.kernels.moe_step import router_block
+from tierlab.engine.kernels.moe_step import timed_router_block
 from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
 
 
@@ -69,12 +68,9 @@ def _attention_kernels(wi, si, wo, so, x2, gated, heads, kv_heads, head_dim, q_n
 
 @njit(nogil=True, cache=True)
 def _attention_then_router(layer_args, router_args, stamps):
-    """The step (with its norms), then the MoE router block on its post norm; stamps gets the
-    monotonic clock at the block's start and end (the router's share of the call)."""
+    """The step (with its norms), then the MoE router block on its post norm, timed."""
     _attention_kernels(*layer_args)
-    stamps[0] = monotonic_ns()
-    router_block(*router_args)
-    stamps[1] = monotonic_ns()
+    timed_router_block(router_args, stamps)
 
 
 def attention_step(w_qkv: tuple, w_o: tuple, x: np.ndarray, gated: bool, shape: tuple[int, int, int],

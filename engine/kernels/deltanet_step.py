@@ -15,8 +15,7 @@ import numpy as np
 from numba import njit
 
 from tierlab.engine.kernels.dense import add_rms_norm, gated_deltanet, residual_norms, rms_norm
-from tierlab.engine.kernels.clock import monotonic_ns
-from tierlab.engine.kernels.moe_step import router_block
+from tierlab.engine.kernels.moe_step import timed_router_block
 from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
 
 
@@ -39,12 +38,9 @@ def _deltanet_kernels(wi, si, wo, so, x2, conv, taps, a_log, dt_bias, norm_w, ep
 
 @njit(nogil=True, cache=True)
 def _deltanet_then_router(layer_args, router_args, stamps):
-    """The step (with its norms), then the MoE router block on its post norm; stamps gets the
-    monotonic clock at the block's start and end (the router's share of the call)."""
+    """The step (with its norms), then the MoE router block on its post norm, timed."""
     _deltanet_kernels(*layer_args)
-    stamps[0] = monotonic_ns()
-    router_block(*router_args)
-    stamps[1] = monotonic_ns()
+    timed_router_block(router_args, stamps)
 
 
 def deltanet_step(w_in: tuple, w_out: tuple, splits: tuple[int, int, int], x: np.ndarray, conv: np.ndarray,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tierlab.engine.kernels.clock import monotonic_ns
 from tierlab.engine.kernels.dense import add_weighted, route_rows
 from tierlab.engine.kernels.qmatvec import _WEIGHT_MARKER, ADD, GATE_UP, SET, _experts, _pass, _stack_pass, _thread_count
 from tierlab.engine.kernels.shared_step import _shared_kernels
@@ -44,6 +45,15 @@ def router_block(wa, qb, sb, wc, x, fused, wd, sd, start, size, h, gate, term, p
         _shared_kernels(wd, sd, fused, start, size, h, gate, term, threads)
     if plain:
         route_rows(fused[:, :start], k, norm, probs, chosen, true_topk, top_probs, weights)
+
+
+@njit(nogil=True, cache=True)
+def timed_router_block(router_args, stamps):
+    """`router_block(*router_args)` with the monotonic clock read at its start and end into
+    stamps int64[2]: its share of a mixer step's call (the "router" timer)."""
+    stamps[0] = monotonic_ns()
+    router_block(*router_args)
+    stamps[1] = monotonic_ns()
 
 
 def router_operands(w_in) -> tuple | None:
