@@ -43,7 +43,7 @@ def run(folder, slots, knobs, trim, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(ExpertStore, "forward_batch", counting)
         if not trim:
-            m.setattr(MoEBlock, "forward", lambda self, x, ctx, last_row_only=False: real_forward(self, x, ctx))
+            m.setattr(MoEBlock, "forward", lambda self, x, ctx, last_row_only=False, **kw: real_forward(self, x, ctx, **kw))
         engine = load_engine(folder, cache_slots=slots, knobs=Knobs.from_env({}, **knobs), warmup=False)
         engine.prefill(WARM)
         engine.reset_meters()
