@@ -248,6 +248,20 @@ def test_wrong_shapes_are_refused_before_the_kernel_reads_out_of_bounds(rng):
     q, s = Q.quantize(rng.standard_normal((64, 128)), 4)
     with pytest.raises(ValueError, match="x\\[128\\]"):
         K.matvec_int4(Q.pack_int4(q), s, np.ones(64, np.float32), np.empty(64, np.float32))
+    packed, out = Q.pack_int4(q), np.full(64, 7.0, np.float32)
+    with pytest.raises(ValueError, match="x\\[128\\]"):  # a 2-D x of the right size
+        K.matvec_int4(packed, s, np.ones((1, 128), np.float32), out)
+    with pytest.raises(ValueError, match="matvec of a 32x128"):  # rows 32-63 would be read past q's end
+        K.matvec_int4(packed[:32], s, np.ones(128, np.float32), out)
+    with pytest.raises(ValueError, match="do not describe one C-contiguous matrix"):  # scales' rows 32-63 past their end
+        K.matvec_int4(packed, s[:32], np.ones(128, np.float32), out)
+    with pytest.raises(ValueError, match="do not describe one C-contiguous matrix"):
+        K.matvec_int8(q[:, :64].copy(), s, np.ones(128, np.float32), out)
+    with pytest.raises(ValueError, match="C-contiguous"):  # the passes read rows as contiguous bytes
+        K.matvec_int8(np.asfortranarray(q), s, np.ones(128, np.float32), out)
+    with pytest.raises(ValueError, match="out\\[64\\]"):
+        K.matvec_bf16(np.zeros((64, 128), np.uint16), np.ones(128, np.float32), np.empty(32, np.float32))
+    assert np.all(out == 7.0)  # a refused call writes nothing
     blob = Q.build_blob(*_expert(rng, 128, 64), 8)
     with pytest.raises(ValueError, match="blob of >="):
         K.expert_forward_int8(blob[:-1], 128, 64, np.ones(128, np.float32), np.zeros(128, np.float32), 1.0)

@@ -1314,34 +1314,67 @@ def _check_matvec(rows: int, cols: int, x: np.ndarray, out: np.ndarray) -> None:
         raise ValueError(f"matvec of a {rows}x{cols} matrix needs x[{cols}] and out[{rows}], got {x.shape} and {out.shape}")
 
 
+@njit(**_SERIAL)
+def _checked_matvec(qa, sa, x, out, threads):
+    """out = qa @ x in one SET pass (sa: qa's scales; qa itself for fp32 and bf16), after the
+    checks that keep the pass inside its operands; False, with nothing written, where they
+    fail. Checked here rather than in Python, a call from Python pays one dispatch and
+    little else: 1.3-1.7 us less of a 28 us 512x2048 int4 call from DRAM, where the
+    Python right after a streaming call runs several times slower than alone
+    (docs/benchmarks.md, Kernels: "The matvecs' checks compiled")."""
+    rows, cols = out.shape[0], x.shape[0]
+    bits = _bits_of(qa)
+    width = cols // 2 if bits == 4 else cols
+    if qa.shape[0] != rows or qa.shape[1] != width or sa.shape[0] != rows:
+        return False
+    if bits and sa.shape[1] * GROUP != cols:
+        return False
+    _pass(qa, sa, qa, sa, x, out, SET, 1.0, threads)
+    return True
+
+
+def _refuse_matvec(qa: np.ndarray, sa: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """Raise the error for operands `_checked_matvec` refused (or an x that is not 1-D)."""
+    cols = sa.shape[1] * GROUP if qa.dtype in (np.int8, np.uint8) else qa.shape[1]
+    _check_matvec(qa.shape[0], cols, x, out)
+    raise ValueError(f"matvec operands do not describe one C-contiguous matrix the kernels take: weights "
+                     f"{qa.shape} {qa.dtype}, scales {sa.shape} {sa.dtype}, out {out.dtype}")
+
+
 def _check_expert(blob: np.ndarray, nbytes: int, hidden: int, x: np.ndarray, y: np.ndarray) -> None:
     if blob.nbytes < nbytes or x.shape != (hidden,) or y.shape != (hidden,) or y.dtype != np.float32:
         raise ValueError(f"expert needs a blob of >= {nbytes} bytes, x[{hidden}] and float32 y[{hidden}]; "
                          f"got {blob.nbytes} bytes, x{x.shape}, y{y.shape} {y.dtype}")
 
 
-def matvec_fp32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out[:] = w @ x for float32 w [rows, cols] (C-contiguous)."""
-    _check_matvec(w.shape[0], w.shape[1], x, out)
-    _pass(w, w, w, w, _f32(x), out, SET, 1.0, _thread_count())
+# The matvecs' bodies are written out in full, not shared through a helper: one more
+# Python frame cost 0.8 us a 512x2048 int4 call from DRAM (docs/benchmarks.md, Kernels).
+
+def matvec_plain(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out[:] = w @ x for float32 w, or bf16 w stored as uint16, [rows, cols] (C-contiguous)."""
+    x = _f32(x)
+    try:
+        done = x.ndim == 1 and _checked_matvec(w, w, x, out, _thread_count())
+    except numba.core.errors.TypingError:  # a layout or dtype no pass is written for
+        done = False
+    if not done:
+        _refuse_matvec(w, w, x, out)
 
 
-def matvec_bf16(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out[:] = w @ x for bf16 w stored as uint16 [rows, cols]."""
-    _check_matvec(w.shape[0], w.shape[1], x, out)
-    _pass(w, w, w, w, _f32(x), out, SET, 1.0, _thread_count())
+def matvec_quantised(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out[:] = dequant(q, scales) @ x; q int8 [rows, cols] or planar-nibble uint8
+    [rows, cols/2], scales float32 [rows, cols/64]."""
+    x = _f32(x)
+    try:
+        done = x.ndim == 1 and _checked_matvec(q, scales, x, out, _thread_count())
+    except numba.core.errors.TypingError:  # a layout or dtype no pass is written for
+        done = False
+    if not done:
+        _refuse_matvec(q, scales, x, out)
 
 
-def matvec_int8(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out[:] = dequant(q, scales) @ x; q int8 [rows, cols], scales float32 [rows, cols/64]."""
-    _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
-    _pass(q, scales, q, scales, _f32(x), out, SET, 1.0, _thread_count())
-
-
-def matvec_int4(q: np.ndarray, scales: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out[:] = dequant(q, scales) @ x; q planar-nibble uint8 [rows, cols/2], scales [rows, cols/64]."""
-    _check_matvec(q.shape[0], scales.shape[1] * GROUP, x, out)
-    _pass(q, scales, q, scales, _f32(x), out, SET, 1.0, _thread_count())
+matvec_fp32 = matvec_bf16 = matvec_plain
+matvec_int8 = matvec_int4 = matvec_quantised
 
 
 def stack_parts(parts: list) -> tuple | None:
