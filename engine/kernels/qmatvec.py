@@ -1319,7 +1319,7 @@ def _checked_matvec(qa, sa, x, out, threads):
     """out = qa @ x in one SET pass (sa: qa's scales; qa itself for fp32 and bf16), after the
     checks that keep the pass inside its operands; False, with nothing written, where they
     fail. Checked here rather than in Python, a call from Python pays one dispatch and
-    little else: 1.3-1.7 us less of a 28 us 512x2048 int4 call from DRAM, where the
+    little else: about 1 us less of a 29 us 512x2048 int4 call from DRAM, where the
     Python right after a streaming call runs several times slower than alone
     (docs/benchmarks.md, Kernels: "The matvecs' checks compiled")."""
     rows, cols = out.shape[0], x.shape[0]
@@ -1348,7 +1348,8 @@ def _check_expert(blob: np.ndarray, nbytes: int, hidden: int, x: np.ndarray, y: 
 
 
 # The matvecs' bodies are written out in full, not shared through a helper: one more
-# Python frame cost 0.8 us a 512x2048 int4 call from DRAM (docs/benchmarks.md, Kernels).
+# Python frame cost 0.5-0.9 us a 512x2048 int4 call from DRAM (docs/benchmarks.md,
+# Kernels: "The matvecs' checks compiled").
 
 def matvec_plain(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[:] = w @ x for float32 w, or bf16 w stored as uint16, [rows, cols] (C-contiguous)."""
