@@ -1292,6 +1292,8 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
 # Plain Python on purpose: a numba function that calls another is re-optimised
 # with the callee inlined, so njit wrappers here would multiply the cold compile
 # time (docs/benchmarks.md, Kernels: cold compile) to save microseconds per call.
+# The matvecs are the exception: `_checked_matvec` costs 1.6-1.9 s of cold compile
+# a weight kind (once; then numba's disk cache) for about 1 us a call.
 
 
 def _thread_count() -> int:
