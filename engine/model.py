@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from tierlab.engine import load_follow, readahead
-from tierlab.engine.checkpoint import Checkpoint, to_f32
+from tierlab.engine.checkpoint import Checkpoint
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.container import ChecksumMismatch
 from tierlab.engine.errors import ModelError
@@ -31,7 +31,7 @@ from tierlab.engine.events import TokenEvent
 from tierlab.engine.expert_store import ExpertStore, ResidencyState, StoreStats
 from tierlab.engine.heat import add_routed
 from tierlab.engine.heat_log import HeatLog
-from tierlab.engine.kernels.dense import linear, rmsnorm
+from tierlab.engine.kernels.dense import embed_rows, linear, rmsnorm
 from tierlab.engine.knobs import Knobs
 from tierlab.engine.meters import MeterFold, read_store_counters
 from tierlab.engine.model_files import open_model_files
@@ -330,7 +330,7 @@ class Engine:
         ctx = _PassContext(self)
         timers = ctx.timers
         t_start = time.perf_counter()
-        x = to_f32(self.embed[ids]).reshape(T, cfg.hidden_size).copy()
+        x = embed_rows(self.embed, ids)
         routes_by_layer = []
         # only the last row of the last layer's MLP is read unless every token's logits are
         # wanted: its routed experts run for the last token's experts alone (MoEBlock.forward)

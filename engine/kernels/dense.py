@@ -19,8 +19,9 @@ from numba.extending import intrinsic
 
 from tierlab.engine.kernels.fastexp import FAST_EXACT, sigmoid_f32, silu_f32
 from tierlab.engine.kernels.qmatmat import matmat_bf16
-from tierlab.engine.kernels.qmatvec import (_I32, _I64, _V16F, _counted_loop, _load_vec, _row_view_ok, matvec_bf16,
-                                            matvec_fp32, matvec_stack)
+from tierlab.engine.checkpoint import to_f32
+from tierlab.engine.kernels.qmatvec import (_I32, _I64, _V16F, _as_f32, _counted_loop, _load_vec, _row_view_ok,
+                                            matvec_bf16, matvec_fp32, matvec_stack)
 from tierlab.engine.qlinear import QuantMatrix, RowStack, qlinear
 
 def matvec(w, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -38,6 +39,33 @@ def matvec(w, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     else:
         matvec_fp32(w, x, out)
     return out
+
+
+@njit(nogil=True, cache=True)
+def _gather_rows(table, ids, out):
+    """out[t] = row ids[t] of a float32 or bf16 (uint16) table, as float32; False, with
+    nothing read, where an id is outside the table."""
+    for t in range(ids.shape[0]):
+        if ids[t] < 0 or ids[t] >= table.shape[0]:
+            return False
+    for t in range(ids.shape[0]):
+        row = table[ids[t]]
+        for c in range(out.shape[1]):
+            out[t, c] = _as_f32(row[c])
+    return True
+
+
+def embed_rows(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The embedding rows of int64 `ids` as float32 [T, H], bf16 widened exactly. One
+    compiled call: numpy's gather, widening and copy were four operations and their
+    temporaries, about 45 us of a decoded token right after the lm_head's stream
+    (docs/benchmarks.md, "The embedding row in one call"). Other tables (float16) and
+    ids outside the table take numpy's way (its IndexError)."""
+    if table.dtype in (np.uint16, np.float32) and table.ndim == 2 and table.flags.c_contiguous:
+        out = np.empty((ids.shape[0], table.shape[1]), dtype=np.float32)
+        if _gather_rows(table, ids, out):
+            return out
+    return to_f32(table[ids]).reshape(ids.shape[0], table.shape[1]).copy()
 
 
 def widen(w: np.ndarray) -> np.ndarray:
