@@ -28,7 +28,14 @@ def test_bench_kernels_quick_json():
     for kind in KINDS:
         rate = report["matvec"][kind]
         assert rate > 0 and math.isfinite(rate), (kind, rate)
-        assert report["roofline_share"][kind] > 0
+        # each shape's share is against the stream read right before and after its calls
+        shares = []
+        for shape, (before, after) in report["shape_bandwidth_gbs"][kind].items():
+            assert before > 0 and after > 0
+            shares.append(report["matvec_by_shape"][kind][shape] * report["bytes_per_weight"][kind]
+                          / ((before + after) / 2))
+        assert len(shares) == 2
+        assert report["roofline_share"][kind] == pytest.approx(sum(shares) / 2, rel=0.02, abs=2e-3) > 0
         assert report["fused_expert"][kind] > 0
     assert report["expert_read_gbs"] > 0
 
@@ -57,6 +64,12 @@ def test_bench_decode_json_on_a_dense_quantised_container(tmp_path):
     wb = r["weight_bytes"]
     assert wb["total"] == wb["dense"] + wb["experts"] + wb["lm_head"] > 0
     assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_gbs"] * 1e9 / wb["total"])
+    # the bandwidth read between chunks of 16 tokens (4 tokens: one chunk, two readings); the
+    # share is the chunks' median, each chunk against the mean of the readings around it
+    low, high = r["bandwidth_range"]
+    assert 0 < low <= r["bandwidth_gbs"] <= high
+    assert len(r["chunk_shares"]) == 1 and r["roofline_share"] == r["chunk_shares"][0] > 0
+    assert r["roofline_share"] == pytest.approx(r["decode_tok_s"] * wb["total"] / ((low + high) / 2 * 1e9))
     assert 0.0 <= r["ram_hit"] <= 100.0 and r["disk_mb_per_token"] >= 0  # percent
     assert set(r["ms_per_token"]) >= {"attention", "deltanet", "router", "fetch", "compute", "lm_head"}
     # the state a token moves, counted by hand from the config: DeltaNet recurrence and conv
@@ -87,3 +100,7 @@ def test_bench_decode_is_warm_by_default_and_cold_on_request():
     assert cold.disk_mb_per_token > 0
     assert warm.disk_mb_per_token < cold.disk_mb_per_token
     assert warm.ram_hit > cold.ram_hit
+    # a bandwidth given is taken as it is: every chunk's share against it
+    assert warm.bandwidth_gbs == 1.0 and warm.bandwidth_range == [1.0, 1.0]
+    assert len(warm.chunk_shares) == 1
+    assert warm.roofline_share == pytest.approx(warm.decode_tok_s / warm.roofline_tok_s)

@@ -2,7 +2,8 @@
 
 Why: the quantised kernels only pay if they run near the memory roofline, so
 the benchmark reports each kernel's weights per second next to the stream
-bandwidth measured in the same run (bytes per weight include the scales).
+bandwidth measured in the same run, right before and after that kernel's
+calls (bytes per weight include the scales).
 A shared machine is noisy, so every figure is the median of many timed
 calls (the best call is reported too); operands rotate through a 512 MiB
 working set, larger than the last-level cache (300 MiB on the machine of
@@ -37,7 +38,7 @@ class Timing:
 @dataclass
 class KernelReport:
     threads: int
-    bandwidth_gbs: float  # the higher of the two stream reads, before and after the kernels
+    bandwidth_gbs: float  # the higher of the two full stream reads, before and after the kernels
     bandwidth_numpy_gbs: float
     working_set_mb: float
     bandwidth_runs_gbs: list[float] = field(default_factory=list)
@@ -52,7 +53,10 @@ class KernelReport:
     # store computes RAM-resident experts) and with one launch pair per expert
     layer_experts: dict[str, float] = field(default_factory=dict)
     layer_experts_each: dict[str, float] = field(default_factory=dict)
+    # median over SHAPES of each shape's Gweights/s x bytes/weight / the mean of the stream
+    # reads (StreamProbe) right before and right after that shape's calls
     roofline_share: dict[str, float] = field(default_factory=dict)
+    shape_bandwidth_gbs: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # [before, after]
     # one thread, Gweights per second of that thread's CPU time (p10 over calls):
     # what a core does when it is not descheduled, robust to a busy shared machine
     per_core_cpu: dict[str, float] = field(default_factory=dict)
@@ -75,6 +79,7 @@ class KernelReport:
             "layer_experts": self.layer_experts,
             "layer_experts_each": self.layer_experts_each,
             "roofline_share": self.roofline_share,
+            "shape_bandwidth_gbs": self.shape_bandwidth_gbs,
             "per_core_cpu": self.per_core_cpu,
             "expert_read_gbs": self.expert_read_gbs,
             "expert_read_us": self.expert_read_us,
@@ -124,6 +129,28 @@ def measure_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
     numba_t = _time_calls(lambda i: K.matvec_fp32(a, ones, out), repeats, 0.0).median_s
     numpy_t = _time_calls(lambda i: a.sum(), max(2, repeats // 2), 0.0).median_s
     return a.nbytes / numba_t / 1e9, a.nbytes / numpy_t / 1e9
+
+
+class StreamProbe:
+    """A short stream read (the same row loop as `measure_bandwidth`, on huge pages, all
+    threads), to take right before and after a measurement: on a shared VM the stream moves
+    by half from one minute to the next (docs/benchmarks.md), so a share is only meaningful
+    against a reading taken around the same calls."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._a = hugepages.empty((max(4, nbytes // 4096), 1024), np.float32)
+        self._a[:] = 1.0
+        self._ones = np.ones(1024, dtype=np.float32)
+        self._out = np.empty(self._a.shape[0], dtype=np.float32)
+
+    def read_gbs(self) -> float:
+        """GB/s of the faster of two reads of the buffer."""
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            K.matvec_fp32(self._a, self._ones, self._out)
+            best = min(best, time.perf_counter() - t0)
+        return self._a.nbytes / best / 1e9
 
 
 def _random_operands(kind: str, rows: int, cols: int, copies: int, rng: np.random.Generator) -> list[tuple]:
@@ -208,10 +235,15 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
     working_set = (working_set_mib or (16 if quick else 512)) << 20
     calls, min_s = (15, 0.05) if quick else (200, 0.5)
     bw_bytes = (64 if quick else 512) << 20
-    # the stream read is measured before and after the kernels, and the higher one is the
-    # roofline: on this shared VM one reading alone can land in a slow minute
+    # the full stream read before and after the kernels (the report's headline figure); each
+    # shape's share is taken against short reads right around its own calls (StreamProbe):
+    # on a shared VM the stream moves by half between minutes, and a reading from another
+    # minute put every kind at 51-57% in one run and at 75-93% in the next
     bw, bw_np = measure_bandwidth(bw_bytes, 5 if quick else 15)
     report = KernelReport(numba.get_num_threads(), round(bw, 2), round(bw_np, 2), working_set / 2**20, [round(bw, 2)])
+    probe = StreamProbe(bw_bytes)
+    probe.read_gbs()
+    shares: dict[str, list[float]] = {}
 
     for kind in KINDS:
         if progress:
@@ -224,8 +256,13 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
             x = rng.standard_normal(cols, dtype=np.float32)
             out = np.empty(rows, dtype=np.float32)
             fn = _MATVEC[kind]
+            fn(*ops[0], x, out)  # compiled before the stream read around its calls
+            before = probe.read_gbs()
             timing = _time_calls(lambda i: fn(*ops[i % len(ops)], x, out), calls, min_s)
+            after = probe.read_gbs()
             rate = rows * cols / timing.median_s / 1e9
+            report.shape_bandwidth_gbs.setdefault(kind, {})[f"{rows}x{cols}"] = [round(before, 2), round(after, 2)]
+            shares.setdefault(kind, []).append(rate * BYTES_PER_WEIGHT[kind] / (0.5 * (before + after)))
             rates.append(rate)
             bests.append(rows * cols / timing.best_s / 1e9)
             report.matvec_by_shape[kind][f"{rows}x{cols}"] = round(rate, 2)
@@ -281,8 +318,8 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
     bw_after, _ = measure_bandwidth(bw_bytes, 5 if quick else 15)
     report.bandwidth_runs_gbs.append(round(bw_after, 2))
     report.bandwidth_gbs = max(report.bandwidth_runs_gbs)
-    for kind, rate in report.matvec.items():
-        report.roofline_share[kind] = round(rate * BYTES_PER_WEIGHT[kind] / report.bandwidth_gbs, 3)
+    for kind, values in shares.items():
+        report.roofline_share[kind] = round(float(np.median(values)), 3)
     return report
 
 
@@ -310,8 +347,11 @@ def format_report(report: KernelReport) -> str:
             f"{100 * report.roofline_share.get(kind, 0):>9.0f}%{report.fused_expert.get(kind, 0):>8.2f}"
             f"{report.layer_experts.get(kind, 0):>8.2f}{report.layer_experts_each.get(kind, 0):>8.2f}"
         )
-    lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / stream GB/s; "
-                 f"int8/int4 by {_INT_PATH_WORDS.get(report.int_path, report.int_path)}")
+    around = [v for shapes in report.shape_bandwidth_gbs.values() for pair in shapes.values() for v in pair]
+    lines.append("Gweights/s (median of timed calls); roofline = Gweights/s x bytes/weight / the stream read right "
+                 "before and after that shape's calls (their mean; the median of the two shapes)"
+                 + (f", {min(around):.1f}-{max(around):.1f} GB/s" if around else "")
+                 + f"; int8/int4 by {_INT_PATH_WORDS.get(report.int_path, report.int_path)}")
     lines.append(f"fused: one 2048x512 expert; layer: {LAYER_EXPERTS} experts in one launch pair (experts_forward), "
                  f"each: the same {LAYER_EXPERTS} with a launch pair per expert")
     if report.expert_read_gbs:
