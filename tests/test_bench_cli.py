@@ -68,6 +68,7 @@ def test_bench_decode_json_on_a_dense_quantised_container(tmp_path):
     # the bandwidth read between chunks of 16 tokens (4 tokens: one chunk, two readings); the
     # share is the chunks' median, each chunk against the mean of the readings around it
     low, high = r["bandwidth_range"]
+    assert not r["bandwidth_given"]
     assert 0 < low <= r["bandwidth_gbs"] <= high
     assert len(r["chunk_shares"]) == 1 and r["roofline_share"] == r["chunk_shares"][0] > 0
     assert r["roofline_share"] == pytest.approx(r["decode_tok_s"] * wb["total"] / ((low + high) / 2 * 1e9))
@@ -102,6 +103,22 @@ def test_bench_decode_is_warm_by_default_and_cold_on_request():
     assert warm.disk_mb_per_token < cold.disk_mb_per_token
     assert warm.ram_hit > cold.ram_hit
     # a bandwidth given is taken as it is: every chunk's share against it
-    assert warm.bandwidth_gbs == 1.0 and warm.bandwidth_range == [1.0, 1.0]
+    assert warm.bandwidth_gbs == 1.0 and warm.bandwidth_range == [1.0, 1.0] and warm.bandwidth_given
     assert len(warm.chunk_shares) == 1
     assert warm.roofline_share == pytest.approx(warm.decode_tok_s / warm.roofline_tok_s)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "0"], "--tokens and --prompt-tokens must be at least 1"),
+    (["--prompt-tokens", "0"], "--tokens and --prompt-tokens must be at least 1"),
+    (["--bandwidth", "0"], "--bandwidth must be a positive number of GB/s"),
+    (["--bandwidth", "nan"], "--bandwidth must be a positive number of GB/s"),
+])
+def test_bench_decode_refuses_nonsense_counts(args, message):
+    """A zero count or bandwidth is one line and exit 2, before the model loads (no traceback)."""
+    from tierlab import ASSETS_DIR
+
+    proc = subprocess.run([sys.executable, "-m", "tierlab", "bench", "decode", "--model", str(ASSETS_DIR / "tiny-moe"),
+                           *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"tierlab: error: {message}"

@@ -58,7 +58,8 @@ def _add_decode(sub) -> None:
     p.add_argument("--drop-page-cache", action="store_true",
                    help="drop the page cache before the measured run (root only)")
     p.add_argument("--bandwidth", type=float, default=None, metavar="GBS",
-                   help="memory bandwidth for the roofline, in GB/s (default: measured, with 512 MiB of buffers)")
+                   help="memory bandwidth for the roofline, in GB/s (default: read between chunks of 16 decoded "
+                        "tokens, 256 MiB at a time)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.set_defaults(bench_run=_run_decode)
 
@@ -66,7 +67,12 @@ def _add_decode(sub) -> None:
 def _run_decode(args: argparse.Namespace) -> int:
     from tierlab.app.cli.engine_options import open_engine, print_notices
     from tierlab.app.lab.bench_decode import format_decode_report, run_decode_bench
+    from tierlab.engine.errors import TierlabError
 
+    if args.tokens < 1 or args.prompt_tokens < 1:
+        raise TierlabError("--tokens and --prompt-tokens must be at least 1")
+    if args.bandwidth is not None and not args.bandwidth > 0:
+        raise TierlabError("--bandwidth must be a positive number of GB/s")
     engine = open_engine(args, with_tokenizer=False)
     try:
         report = run_decode_bench(engine, args.prompt_tokens, args.tokens, cold=args.cold,

@@ -116,6 +116,7 @@ class DecodeReport:
     roofline_share: float = 0.0  # median over the chunks of tok/s / the roofline at that chunk's bandwidth
     chunk_shares: list = field(default_factory=list)  # each chunk's share, in decode order
     bandwidth_range: list = field(default_factory=list)  # [lowest, highest] reading of the run
+    bandwidth_given: bool = False  # the caller's figure, not read in the run
     dense_kind: str = ""
     page_cache_dropped: bool = False
     state_bytes: int = 0  # sequence state per decode token (state_bytes_per_token), mid-decode
@@ -184,7 +185,7 @@ def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_toke
         state_bytes=state_bytes_per_token(engine.config, prompt_tokens + decode_tokens / 2),
         threading=_threading_line(engine),
         roofline_share=float(np.median(shares)) if shares else 0.0, chunk_shares=shares,
-        bandwidth_range=[min(readings), max(readings)],
+        bandwidth_range=[min(readings), max(readings)], bandwidth_given=probe is None,
     )
 
 
@@ -207,9 +208,11 @@ def format_decode_report(r: DecodeReport) -> str:
         f"weights read per token {r.weight_bytes['total'] / 2**20:.1f} MiB (dense {r.weight_bytes['dense'] / 2**20:.1f}, "
         f"experts {r.weight_bytes['experts'] / 2**20:.1f}, lm_head {r.weight_bytes['lm_head'] / 2**20:.1f}); "
         f"from disk {r.disk_mb_per_token:.1f} MiB/token (RAM hit {r.ram_hit:.1f}%)",
-        f"bandwidth {r.bandwidth_gbs:.1f} GB/s (median between chunks of {CHUNK_TOKENS} tokens; {low:.1f}-{high:.1f}) "
-        f"-> roofline {r.roofline_tok_s:.1f} tok/s; decode is {100 * r.roofline_share:.0f}% of it (median over "
-        f"the chunks, each against the bandwidth read around it)",
+        (f"bandwidth {r.bandwidth_gbs:.1f} GB/s (given) -> roofline {r.roofline_tok_s:.1f} tok/s; decode is "
+         f"{100 * r.roofline_share:.0f}% of it (median over chunks of {CHUNK_TOKENS} tokens)" if r.bandwidth_given else
+         f"bandwidth {r.bandwidth_gbs:.1f} GB/s (median between chunks of {CHUNK_TOKENS} tokens; {low:.1f}-{high:.1f}) "
+         f"-> roofline {r.roofline_tok_s:.1f} tok/s; decode is {100 * r.roofline_share:.0f}% of it (median over "
+         f"the chunks, each against the bandwidth read around it)"),
         f"state read and written per token {r.state_bytes / 2**20:.1f} MiB (DeltaNet recurrence, KV cache; not in "
         f"the roofline) -> with it {r.bandwidth_gbs * 1e9 / (r.weight_bytes['total'] + r.state_bytes):.1f} tok/s",
         "ms/token: " + " ".join(f"{k} {ms[k]:.2f}" for k in TIMER_NAMES),
