@@ -141,9 +141,13 @@ def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_toke
     prompt = [int(t) for t in rng.integers(0, vocab, prompt_tokens)]
     # compile every kernel on a short run
     _greedy(engine, prompt[:4], 1)
-    probe = StreamProbe(PROBE_BYTES) if bandwidth_gbs is None else None
-    if probe is not None:
-        probe.read_gbs()  # the first read pays for compiling it
+    given = bandwidth_gbs
+    if given is None:
+        read_bandwidth = StreamProbe(PROBE_BYTES).read_gbs
+        read_bandwidth()  # the first read pays for compiling it
+    else:
+        def read_bandwidth() -> float:
+            return float(given)
     engine.cold_start()
     if not cold:
         # another conversation's traffic fills the slots, as earlier turns of a chat do
@@ -157,7 +161,7 @@ def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_toke
     before = dict(engine.timers)
     misses_before = engine.store_stats().ram_misses
     wb = weight_bytes_per_token(engine)
-    readings = [probe.read_gbs()] if probe is not None else [float(bandwidth_gbs)]
+    readings = [read_bandwidth()]
     decode_s, shares = 0.0, []
     for start in range(0, decode_tokens, CHUNK_TOKENS):
         n = min(CHUNK_TOKENS, decode_tokens - start)
@@ -166,7 +170,7 @@ def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_toke
             logits = engine.step(int(np.argmax(logits)))
         chunk_s = time.perf_counter() - t0
         decode_s += chunk_s
-        readings.append(probe.read_gbs() if probe is not None else float(bandwidth_gbs))
+        readings.append(read_bandwidth())
         chunk_bw = 0.5 * (readings[-2] + readings[-1])
         shares.append(n / chunk_s * wb["total"] / (chunk_bw * 1e9))
     ms = {k: 1000.0 * (engine.timers.get(k, 0.0) - before.get(k, 0.0)) / decode_tokens for k in TIMER_NAMES}
@@ -185,7 +189,7 @@ def run_decode_bench(engine: EngineSurface, prompt_tokens: int = 32, decode_toke
         state_bytes=state_bytes_per_token(engine.config, prompt_tokens + decode_tokens / 2),
         threading=_threading_line(engine),
         roofline_share=float(np.median(shares)) if shares else 0.0, chunk_shares=shares,
-        bandwidth_range=[min(readings), max(readings)], bandwidth_given=probe is None,
+        bandwidth_range=[min(readings), max(readings)], bandwidth_given=given is not None,
     )
 
 

@@ -116,41 +116,41 @@ def _cpu_time_rate(call, weights: int, n_calls: int) -> float:
     return weights / float(np.percentile(times, 10)) if times else 0.0
 
 
-def measure_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
-    """(2-thread read GB/s by the kernels' row loop, numpy 1-thread sum GB/s), median over
-    repeats, of a buffer on huge pages as the engine's weights are."""
-    # an fp32 matvec over the whole buffer: the kernels' own row loop (64 bytes of four rows
-    # per iteration, prefetching ahead) with one multiply-add per 4 bytes, i.e. the read
-    # bandwidth those loops can reach (a plain prange sum reads slower: docs/benchmarks.md, Kernels)
-    a = hugepages.empty((max(4, nbytes // 4096), 1024), np.float32)
-    a[:] = 1.0
-    ones = np.ones(1024, dtype=np.float32)
-    out = np.empty(a.shape[0], dtype=np.float32)
-    numba_t = _time_calls(lambda i: K.matvec_fp32(a, ones, out), repeats, 0.0).median_s
-    numpy_t = _time_calls(lambda i: a.sum(), max(2, repeats // 2), 0.0).median_s
-    return a.nbytes / numba_t / 1e9, a.nbytes / numpy_t / 1e9
-
-
 class StreamProbe:
-    """A short stream read (the same row loop as `measure_bandwidth`, on huge pages, all
-    threads), to take right before and after a measurement: on a shared VM the stream moves
-    by half from one minute to the next (docs/benchmarks.md), so a share is only meaningful
-    against a reading taken around the same calls."""
+    """A buffer on huge pages, as the engine's weights are, read by the kernels' own row loop:
+    an fp32 matvec over it (64 bytes of four rows per iteration, prefetching ahead, one
+    multiply-add per 4 bytes), i.e. the read bandwidth those loops can reach (a plain prange
+    sum reads slower: docs/benchmarks.md, Kernels). `read_gbs` is short enough to take right
+    before and after a measurement: on a shared VM the stream moves by half from one minute
+    to the next, so a share is only meaningful against a reading taken around the same calls."""
 
     def __init__(self, nbytes: int) -> None:
-        self._a = hugepages.empty((max(4, nbytes // 4096), 1024), np.float32)
-        self._a[:] = 1.0
+        self.a = hugepages.empty((max(4, nbytes // 4096), 1024), np.float32)
+        self.a[:] = 1.0
         self._ones = np.ones(1024, dtype=np.float32)
-        self._out = np.empty(self._a.shape[0], dtype=np.float32)
+        self._out = np.empty(self.a.shape[0], dtype=np.float32)
+
+    def read(self) -> None:
+        """One read of the whole buffer, all threads."""
+        K.matvec_fp32(self.a, self._ones, self._out)
 
     def read_gbs(self) -> float:
         """GB/s of the faster of two reads of the buffer."""
         best = float("inf")
         for _ in range(2):
             t0 = time.perf_counter()
-            K.matvec_fp32(self._a, self._ones, self._out)
+            self.read()
             best = min(best, time.perf_counter() - t0)
-        return self._a.nbytes / best / 1e9
+        return self.a.nbytes / best / 1e9
+
+
+def measure_bandwidth(nbytes: int, repeats: int, probe: StreamProbe | None = None) -> tuple[float, float]:
+    """(2-thread read GB/s by the kernels' row loop, numpy 1-thread sum GB/s), median over
+    repeats, of a StreamProbe's buffer (`probe`'s, or a new one of `nbytes`)."""
+    probe = probe if probe is not None else StreamProbe(nbytes)
+    numba_t = _time_calls(lambda i: probe.read(), repeats, 0.0).median_s
+    numpy_t = _time_calls(lambda i: probe.a.sum(), max(2, repeats // 2), 0.0).median_s
+    return probe.a.nbytes / numba_t / 1e9, probe.a.nbytes / numpy_t / 1e9
 
 
 def _random_operands(kind: str, rows: int, cols: int, copies: int, rng: np.random.Generator) -> list[tuple]:
@@ -239,10 +239,9 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
     # shape's share is taken against short reads right around its own calls (StreamProbe):
     # on a shared VM the stream moves by half between minutes, and a reading from another
     # minute put every kind at 51-57% in one run and at 75-93% in the next
-    bw, bw_np = measure_bandwidth(bw_bytes, 5 if quick else 15)
-    report = KernelReport(numba.get_num_threads(), round(bw, 2), round(bw_np, 2), working_set / 2**20, [round(bw, 2)])
     probe = StreamProbe(bw_bytes)
-    probe.read_gbs()
+    bw, bw_np = measure_bandwidth(bw_bytes, 5 if quick else 15, probe)
+    report = KernelReport(numba.get_num_threads(), round(bw, 2), round(bw_np, 2), working_set / 2**20, [round(bw, 2)])
     shares: dict[str, list[float]] = {}
 
     for kind in KINDS:
@@ -315,7 +314,7 @@ def run_kernel_bench(quick: bool = False, threads: int | None = None, progress=N
 
     if progress:
         progress("bandwidth again")
-    bw_after, _ = measure_bandwidth(bw_bytes, 5 if quick else 15)
+    bw_after, _ = measure_bandwidth(bw_bytes, 5 if quick else 15, probe)
     report.bandwidth_runs_gbs.append(round(bw_after, 2))
     report.bandwidth_gbs = max(report.bandwidth_runs_gbs)
     for kind, values in shares.items():
