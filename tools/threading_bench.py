@@ -13,7 +13,11 @@ policies so that drift in the machine's load hits all of them alike.
 Below the table it prints how far the default is from the best fixed policy
 in each column (the issue's "within 5%" quiet, "no worse than PASSIVE"
 loaded). Single runs on a shared VM move by 10% or more, so that gap means
-something only over many rounds.
+something only over many rounds. The "decode share" columns are each run's
+`roofline_share` (its tokens against the stream read between their chunks):
+on a VM whose memory bandwidth moves from one minute to the next, a policy
+that happened to run in a fast stretch reads fast in tok/s but not in share,
+so the share's gap line is the one that decides.
 
 "loaded" runs one CPU-bound Python process beside each measurement, the
 situation of a compile or a second program on a 2-core machine.
@@ -50,10 +54,18 @@ def run_once(model: str, tokens: int, prompt_tokens: int, overrides: dict) -> di
     return json.loads(out.strip().splitlines()[-1])
 
 
+#: what each run gives, in the order the rows keep it: (column name, JSON key)
+COLUMNS = (("decode", "decode_tok_s"), ("prefill", "prefill_tok_s"), ("decode share", "roofline_share"))
+
+
 def medians(rows: dict) -> dict:
-    """(policy, condition) -> (median decode tok/s, median prefill tok/s)."""
-    return {key: (statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals))
+    """(policy, condition) -> the medians of the runs' COLUMNS (tok/s, tok/s, share)."""
+    return {key: tuple(statistics.median(v[i] for v in vals) for i in range(len(COLUMNS)))
             for key, vals in rows.items()}
+
+
+def _figure(value: float, idx: int) -> str:
+    return f"{100 * value:.1f}%" if COLUMNS[idx][0] == "decode share" else f"{value:.1f}"
 
 
 def gap_lines(med: dict, keys: list, conds: list) -> list:
@@ -64,15 +76,16 @@ def gap_lines(med: dict, keys: list, conds: list) -> list:
     if "default" not in keys or not fixed:
         return out
     for cond in conds:
-        for idx, what in ((0, "decode"), (1, "prefill")):
+        for idx, (what, _) in enumerate(COLUMNS):
             col = {k: med[(k, cond)][idx] for k in keys}
             best = max(fixed, key=col.get)
             gap = 100.0 * (col["default"] / col[best] - 1.0)
-            line = f"{cond} {what}: default {col['default']:.1f}, best fixed {POLICIES[best][0]} {col[best]:.1f} ({gap:+.1f}%)"
+            line = (f"{cond} {what}: default {_figure(col['default'], idx)}, best fixed {POLICIES[best][0]} "
+                    f"{_figure(col[best], idx)} ({gap:+.1f}%)")
             if "passive" in keys:
-                line += f"; PASSIVE {col['passive']:.1f}"
+                line += f"; PASSIVE {_figure(col['passive'], idx)}"
             for tree in (k for k in keys if k not in POLICIES):
-                line += f"; tree {tree} {col[tree]:.1f}"
+                line += f"; tree {tree} {_figure(col[tree], idx)}"
             out.append(line)
     return out
 
@@ -113,17 +126,19 @@ def main() -> int:
             for r in range(a.rounds):
                 for k in keys:
                     d = run_once(a.model, a.tokens, a.prompt_tokens, policies[k][1])
-                    rows[(k, cond)].append((d["decode_tok_s"], d["prefill_tok_s"]))
-                    print(f"  {cond} round {r + 1} {k}: decode {d['decode_tok_s']:.1f} prefill {d['prefill_tok_s']:.1f}", file=sys.stderr)
+                    rows[(k, cond)].append(tuple(float(d[key]) for _, key in COLUMNS))
+                    print(f"  {cond} round {r + 1} {k}: decode {d['decode_tok_s']:.1f} prefill {d['prefill_tok_s']:.1f} "
+                          f"share {100 * d['roofline_share']:.1f}% stream {d['bandwidth_gbs']:.1f} GB/s", file=sys.stderr)
         finally:
             if hog:
                 hog.kill()
-    print(f"model {a.model}, {a.prompt_tokens}-token prompt, {a.tokens} decode tokens, {a.rounds} rounds, median tok/s")
-    print("| policy | " + " | ".join(f"{c} decode | {c} prefill" for c in conds) + " |")
-    print("|---|" + "---|---|" * len(conds))
+    print(f"model {a.model}, {a.prompt_tokens}-token prompt, {a.tokens} decode tokens, {a.rounds} rounds, "
+          "medians (tok/s; decode share: of the roofline at the stream read between its chunks)")
+    print("| policy | " + " | ".join(f"{c} {what}" for c in conds for what, _ in COLUMNS) + " |")
+    print("|---|" + "---|" * len(COLUMNS) * len(conds))
     med = medians(rows)
     for k in keys:
-        cells = [f"{v:.1f}" for cond in conds for v in med[(k, cond)]]
+        cells = [_figure(v, i) for cond in conds for i, v in enumerate(med[(k, cond)])]
         print(f"| {policies[k][0]} | " + " | ".join(cells) + " |")
     for line in gap_lines(med, keys, conds):
         print(line)
