@@ -1,0 +1,349 @@
+"""A prompt's int4 experts by integer dot products, sixteen rows to a vector (AVX-512 VNNI).
+
+Why: at 128 tokens an expert of the 64-expert slice sees 16 tokens, and the
+float32 path (`qmatmat.experts_gate_up` / `experts_down`) widens every weight
+row to float32 and dots it with those 16 tokens by FMAs, 16 products an
+instruction plus the widening (docs/benchmarks.md, "The Zen 4's prompt
+against its FMA peak"). Here the rows stay 4-bit: x is prepared once per
+token as the decode matvecs prepare it (`qmatvec._prepare_into`: three 7-bit
+digits, a unit and an offset per group), and `vpdpbusd` multiplies 64 bytes
+at a time, which on the Zen 4 issues as fast as an FMA (tools/issue_rate.py).
+
+Layout: a work item takes two tiles of 16 rows (16 gate rows and the same
+16 up rows, or 32 down rows). Each tile's 64-byte blocks are transposed by
+4-byte columns (`_transpose_tile`), so that lane l of a vector holds row l;
+a token's digits for 4 columns are broadcast to every lane, once for both
+tiles. A group's integer sum per row is then one lane of one register: the
+offset, the conversion and the group's scale times the token's unit are
+paid once per group, token and 16 rows (not once per 64 bytes and row, as
+in the matvec), and no horizontal sum is needed at the end. Widths must be
+whole 128-column blocks (`usable`), so no item is short.
+
+Exactness: the integer sums are the matvec's (the same digits, the same
+wraparound-exact int32 arithmetic); only the float32 sums over groups run in
+another order, so results are within 1e-5 relative of the float path and of
+a float64 reference of the dequantised weights (tests/test_experts_vnni.py),
+not bit-identical to decode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from tierlab.engine.blob_layout import GROUP
+from tierlab.engine.kernels.fastexp import silu_f32
+from tierlab.engine.kernels.qmatmat import (_deal_plan, _dealt, _dealt_next, _expert_matrices, _lines_per_pass,
+                                            _prefetch_lines)
+from tierlab.engine.kernels.qmatvec import (_DIGIT_BITS, _I32, _I64, _V16F, _VNNI, _counted_loop, _load_vec,
+                                            _prepare_into, _prepared_sizes, _splat)
+
+_I8 = ir.IntType(8)
+_V16I = ir.VectorType(_I32, 16)
+_OPTS = dict(nogil=True, cache=True, fastmath=True)
+_TILE = 16  # rows of a tile: one per lane
+_TILES = 2  # tiles a work item takes (each broadcast of a digit serves both)
+_NIBBLES = np.empty(0, np.uint8)  # the dtype marker of int4 weights (`qmatmat._expert_matrices`)
+_BLOCK = 2 * GROUP  # int4 columns in a 64-byte block of a row (two groups)
+_DIGIT_BLOCK = 3 * 2 * 64  # prepared digit bytes per block: 3 digits x (low, high nibbles) x 64
+
+
+def usable(kind: str, hidden: int, inter: int) -> bool:
+    """True where this path runs: int4 weights, VNNI, and whole blocks in both widths."""
+    return _VNNI and kind == "int4" and hidden % _BLOCK == 0 and inter % _BLOCK == 0
+
+
+def _ptr(builder, arr, byte_offset):
+    data = builder.bitcast(arr.data, _I8.as_pointer())
+    return builder.gep(data, [byte_offset])
+
+
+def _transpose16(builder, rows):
+    """16 vectors of 16 dwords -> the transposed 16 (vector c, lane l = rows[l][c]), by four
+    rounds of two-input shuffles that swap the off-diagonal blocks of 8, 4, 2, then 1."""
+    rows = list(rows)
+    span = 8
+    while span:
+        lo_mask = [k if not k & span else 16 + k - span for k in range(16)]
+        hi_mask = [k + span if not k & span else 16 + k for k in range(16)]
+        out = list(rows)
+        for i in range(16):
+            if i & span:
+                continue
+            a, b = rows[i], rows[i + span]
+            out[i] = builder.shuffle_vector(a, b, ir.Constant(_V16I, lo_mask))
+            out[i + span] = builder.shuffle_vector(a, b, ir.Constant(_V16I, hi_mask))
+        rows = out
+        span //= 2
+    return rows
+
+
+@intrinsic
+def _transpose_tile(typingctx, q, r0, n_blocks, tiles):
+    """tiles[b, k, c] (int32 [blocks, 2, 16, 16]) = nibble k (0 low, 1 high) of the bytes 4c..4c+3
+    of block b, lane l holding row r0 + l of q (uint8 [rows, cols / 2] planar nibbles)."""
+    if not (isinstance(q, types.Array) and q.ndim == 2 and q.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        out = context.make_array(signature.args[3])(context, builder, args[3])
+        first, nb = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 2))
+        stride = builder.extract_value(a.strides, 0)
+        row_ptrs = [_ptr(builder, a, builder.mul(builder.add(first, ir.Constant(_I64, lane)), stride))
+                    for lane in range(_TILE)]
+        low = ir.Constant(_V16I, [0x0F0F0F0F] * 16)
+        four = ir.Constant(_V16I, [4] * 16)
+        dst = builder.bitcast(out.data, _I8.as_pointer())
+
+        def body(blk, carried):
+            at = builder.mul(blk, ir.Constant(_I64, 64))
+            cols = _transpose16(builder, [_load_vec(builder, p, at, _V16I, 1) for p in row_ptrs])
+            base = builder.mul(blk, ir.Constant(_I64, 2 * 16 * 64))
+            for c, v in enumerate(cols):
+                for k, nib in enumerate((builder.and_(v, low), builder.and_(builder.lshr(v, four), low))):
+                    off = builder.add(base, ir.Constant(_I64, (k * 16 + c) * 64))
+                    builder.store(nib, builder.bitcast(builder.gep(dst, [off]), _V16I.as_pointer()), align=4)
+            return carried
+
+        _counted_loop(builder, nb, [ir.Constant(_I64, 0)], body)
+        return context.get_dummy_value()
+
+    return types.none(q, r0, n_blocks, tiles), codegen
+
+
+@intrinsic
+def _tile_dots(typingctx, tiles, digits, corr, unit, scales, ta, tb, tc, td, res, at):
+    """res[at + s, 16 i + l] = row l of tile i . token t_s (s < 4, i < _TILES; ta..td are rows of
+    the prepared arrays: digits int8 [N, bytes], corr int32 [N, groups] the group's offset,
+    unit float32 [N, groups]); scales float32 [_TILES, groups, 16] the tiles' scales by group;
+    tiles [_TILES, blocks, 2, 16, 16] from `_transpose_tile`. Each broadcast of a token's
+    digits serves every tile: a broadcast for each `vpdpbusd` held the one-core rate to 2.35 G
+    a second against 3.3 with it shared (docs/benchmarks.md)."""
+    def codegen(context, builder, signature, args):
+        tl, dg, co, un, sc, rs = (context.make_array(signature.args[i])(context, builder, args[i])
+                                  for i in (0, 1, 2, 3, 4, 9))
+        toks = [context.cast(builder, args[i], signature.args[i], types.int64) for i in (5, 6, 7, 8)]
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I, [_V16I] * 3),
+                                             "llvm.x86.avx512.vpdpbusd.512")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+        n_blocks = builder.extract_value(tl.shape, 1)
+        n_groups = builder.extract_value(co.shape, 1)
+        tile_ptr = builder.bitcast(tl.data, _I8.as_pointer())
+        tile_bytes = builder.mul(n_blocks, ir.Constant(_I64, 2 * 16 * 64))
+        dig_rows = [_ptr(builder, dg, builder.mul(t, builder.extract_value(dg.strides, 0))) for t in toks]
+        co_rows = [builder.gep(co.data, [builder.mul(t, n_groups)]) for t in toks]
+        un_rows = [builder.gep(un.data, [builder.mul(t, n_groups)]) for t in toks]
+        zero_i = ir.Constant(_V16I, [0] * 16)
+        shift = ir.Constant(_V16I, [_DIGIT_BITS] * 16)
+
+        def body(blk, faccs):
+            block_at = builder.mul(blk, ir.Constant(_I64, 2 * 16 * 64))
+            dig_at = builder.mul(blk, ir.Constant(_I64, _DIGIT_BLOCK))
+            # [token][tile][group of the block]: 16 independent chains
+            accs = [[[zero_i, zero_i] for _ in range(_TILES)] for _ in range(4)]
+            for d in range(3):
+                if d:
+                    accs = [[[builder.shl(v, shift) for v in pair] for pair in row] for row in accs]
+                for k in range(2):
+                    for c8 in range(8):
+                        for h in range(2):  # quads c and c + 8: one of each group a step
+                            c = c8 + 8 * h
+                            w = [_load_vec(builder, tile_ptr,
+                                           builder.add(builder.add(builder.mul(tile_bytes, ir.Constant(_I64, i)),
+                                                                   block_at),
+                                                       ir.Constant(_I64, (k * 16 + c) * 64)), _V16I, 4)
+                                 for i in range(_TILES)]
+                            for s in range(4):
+                                pos = builder.add(dig_at, ir.Constant(_I64, d * 128 + k * 64 + 4 * c))
+                                word = builder.load(builder.bitcast(builder.gep(dig_rows[s], [pos]),
+                                                                    _I32.as_pointer()), align=1)
+                                digit = _splat(builder, word, _V16I)
+                                for i in range(_TILES):
+                                    accs[s][i][h] = builder.call(dot, [accs[s][i][h], w[i], digit])
+            out = []
+            for s in range(4):
+                for i in range(_TILES):
+                    f = faccs[s * _TILES + i]
+                    for h in range(2):
+                        g = builder.add(builder.mul(blk, ir.Constant(_I64, 2)), ir.Constant(_I64, h))
+                        offset = _splat(builder, builder.load(builder.gep(co_rows[s], [g])), _V16I)
+                        exact = builder.sitofp(builder.sub(accs[s][i][h], offset), _V16F)
+                        lanes = builder.add(builder.mul(builder.add(builder.mul(ir.Constant(_I64, i), n_groups), g),
+                                                        ir.Constant(_I64, 16)), ir.Constant(_I64, 0))
+                        weight = builder.fmul(_load_vec(builder, sc.data, lanes, _V16F, 4),
+                                              _splat(builder, builder.load(builder.gep(un_rows[s], [g])), _V16F))
+                        f = builder.call(fma, [exact, weight, f])
+                    out.append(f)
+            return out
+
+        zero_f = ir.Constant(_V16F, [0.0] * 16)
+        faccs = _counted_loop(builder, n_blocks, [zero_f] * (4 * _TILES), body)
+        row0 = context.cast(builder, args[10], signature.args[10], types.int64)
+        for s in range(4):
+            for i in range(_TILES):
+                lane0 = builder.add(builder.mul(builder.add(row0, ir.Constant(_I64, s)), ir.Constant(_I64, 16 * _TILES)),
+                                    ir.Constant(_I64, 16 * i))
+                builder.store(faccs[s * _TILES + i], builder.bitcast(builder.gep(rs.data, [lane0]), _V16F.as_pointer()),
+                              align=4)
+        return context.get_dummy_value()
+
+    arrays = (tiles, digits, corr, unit, scales, res)
+    if not all(isinstance(t, types.Array) and t.layout == "C" for t in arrays):
+        return None
+    return types.none(tiles, digits, corr, unit, scales, ta, tb, tc, td, res, at), codegen
+
+
+@njit(**dict(_OPTS, parallel=True))
+def prepare_rows(x, rows, digits, corr, unit):
+    """Rows rows[i] of x [T, cols] prepared for `_tile_dots` into row i of digits / corr / unit:
+    the matvecs' preparation (`qmatvec._prepare_into`), then each group's offset (the sum of
+    its lanes' offsets) and unit."""
+    cols = x.shape[1]
+    n_digits, n_unit, n_corr = _prepared_sizes(cols, 4)
+    groups = cols // GROUP
+    for i in prange(rows.shape[0]):
+        lane_unit = np.empty(n_unit, np.float32)
+        lane_corr = np.empty(n_corr, np.int32)
+        _prepare_into(x[rows[i]], 4, digits[i], lane_unit, lane_corr)
+        for g in range(groups):
+            lane0 = (g // 2) * 16 + (g % 2) * 8
+            total = np.int32(0)
+            for j in range(8):
+                total += lane_corr[lane0 + j]
+            corr[i, g] = total
+            unit[i, g] = lane_unit[lane0]
+
+
+def prepared(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(digits, corr, unit) of rows `rows` of x [T, cols] for `_tile_dots`."""
+    n_digits = _prepared_sizes(x.shape[1], 4)[0]
+    groups = x.shape[1] // GROUP
+    digits = np.empty((rows.shape[0], n_digits), np.int8)
+    corr = np.empty((rows.shape[0], groups), np.int32)
+    unit = np.empty((rows.shape[0], groups), np.float32)
+    prepare_rows(x, rows, digits, corr, unit)
+    return digits, corr, unit
+
+
+@njit(**_OPTS)
+def _scales_by_group(s, r0, out):
+    """out[g, l] = the scale of row r0 + l in group g (s [rows, groups])."""
+    for lane in range(_TILE):
+        for g in range(out.shape[0]):
+            out[g, lane] = s[r0 + lane, g]
+
+
+@njit(**_OPTS)
+def _tile_item(qa, sa, ra, qb, sb, rb, blocks, tiles, scales):
+    """The two tiles of a work item: rows ra..ra+15 of qa (scales sa) and rb..rb+15 of qb (sb)."""
+    _transpose_tile(qa, ra, blocks, tiles[0])
+    _transpose_tile(qb, rb, blocks, tiles[1])
+    _scales_by_group(sa, ra, scales[0])
+    _scales_by_group(sb, rb, scales[1])
+
+
+@njit(**_OPTS)
+def _token_passes(tiles, digits, corr, unit, scales, first, last, res, pa, ra, pb, rb, pn):
+    """`_tile_dots` for prepared rows first..last-1, four a pass (a short last pass repeats its
+    last row): res[i - first] for each row i (res [last - first + 3, 32]). Meanwhile rows
+    ra..ra+pn-1 of pa and rb..rb+pn-1 of pb (the next work item's) are prefetched, a few lines
+    a pass, as the float path's items do (`qmatmat._dot_groups`)."""
+    step = _lines_per_pass(pa, pn, (last - first + 3) // 4)
+    done = 0
+    for t in range(first, last, 4):
+        tb, tc, td = min(t + 1, last - 1), min(t + 2, last - 1), min(t + 3, last - 1)
+        _tile_dots(tiles, digits, corr, unit, scales, t, tb, tc, td, res, t - first)
+        if step:
+            _prefetch_lines(pa, ra, pn, done, step)
+            _prefetch_lines(pb, rb, pn, done, step)
+            done += step
+
+
+# Every width is a whole number of 128-column blocks (`usable`), so the inter rows (gate, up)
+# come in items of 16 and the hidden rows (down) in items of 32, none short.
+
+
+@njit(**dict(_OPTS, parallel=True, error_model="numpy"))
+def gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, h, threads):
+    """h[p, r] = silu(gate . x_p) * (up . x_p) at row r of expert e's inter rows, for the pairs
+    starts[e] <= p < starts[e + 1] (prepared rows of `digits` / `corr` / `unit`) and the blob
+    at address bases[e]; work items of 16 gate and the same 16 up rows, dealt as
+    `qmatmat._dealt` deals."""
+    per = inter // _TILE
+    blocks = hidden // _BLOCK
+    n_items, threads, run, steps = _deal_plan(bases.shape[0], per, threads)
+    for step in prange(steps):
+        w = _dealt(step, n_items, threads, run)
+        if w >= n_items:
+            continue
+        e = w // per
+        first, last = starts[e], starts[e + 1]
+        if last == first:
+            continue
+        r0 = (w % per) * _TILE
+        gate, sg, up, su, _, _ = _expert_matrices(_NIBBLES, bases[e], nbytes, hidden, inter)
+        tiles = np.empty((_TILES, blocks, 2, _TILE, _TILE), np.int32)
+        scales = np.empty((_TILES, hidden // GROUP, _TILE), np.float32)
+        _tile_item(gate, sg, r0, up, su, r0, blocks, tiles, scales)
+        res = np.empty((last - first + 3, _TILES * _TILE), np.float32)
+        nxt = _dealt_next(step, w, n_items, threads, run)
+        gate_n, _, up_n, _, _, _ = _expert_matrices(_NIBBLES, bases[nxt // per], nbytes, hidden, inter)
+        _token_passes(tiles, digits, corr, unit, scales, first, last, res, gate_n, (nxt % per) * _TILE, up_n,
+                      (nxt % per) * _TILE, _TILE if nxt != w else 0)
+        for p in range(first, last):
+            for i in range(_TILE):
+                h[p, r0 + i] = silu_f32(res[p - first, i]) * res[p - first, _TILE + i]
+
+
+@njit(**dict(_OPTS, parallel=True))
+def down_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, out, out_rows, threads):
+    """out[out_rows[p]] = down . h_p of expert e for the pairs starts[e] <= p < starts[e + 1]
+    (prepared rows of h) and the blob at address bases[e]; work items of 32 rows."""
+    rows = _TILES * _TILE
+    per = hidden // rows
+    blocks = inter // _BLOCK
+    n_items, threads, run, steps = _deal_plan(bases.shape[0], per, threads)
+    for step in prange(steps):
+        w = _dealt(step, n_items, threads, run)
+        if w >= n_items:
+            continue
+        e = w // per
+        first, last = starts[e], starts[e + 1]
+        if last == first:
+            continue
+        r0 = (w % per) * rows
+        _, _, _, _, down, sd = _expert_matrices(_NIBBLES, bases[e], nbytes, hidden, inter)
+        tiles = np.empty((_TILES, blocks, 2, _TILE, _TILE), np.int32)
+        scales = np.empty((_TILES, inter // GROUP, _TILE), np.float32)
+        _tile_item(down, sd, r0, down, sd, r0 + _TILE, blocks, tiles, scales)
+        res = np.empty((last - first + 3, rows), np.float32)
+        nxt = _dealt_next(step, w, n_items, threads, run)
+        _, _, _, _, down_n, _ = _expert_matrices(_NIBBLES, bases[nxt // per], nbytes, hidden, inter)
+        r_n = (nxt % per) * rows
+        _token_passes(tiles, digits, corr, unit, scales, first, last, res, down_n, r_n, down_n, r_n + _TILE,
+                      _TILE if nxt != w else 0)
+        for p in range(first, last):
+            row = out_rows[p]
+            for i in range(rows):
+                out[row, r0 + i] = res[p - first, i]
+
+def experts_int4(blobs: list, hidden: int, inter: int, x: np.ndarray, token_rows: list, out: np.ndarray,
+                 out_rows: list) -> None:
+    """`qmatmat.experts_matmat` for int4 experts where `usable`: x's rows prepared once, the
+    gate|up launch into h [pairs, inter], h's rows prepared, the down launch."""
+    import numba
+
+    from tierlab.engine.kernels.qmatmat import expert_batch
+
+    nbytes, bases, starts, rows, dest = expert_batch("experts_matmat", "int4", blobs, hidden, inter, x, token_rows,
+                                                     out, out_rows)
+    threads = numba.get_num_threads()
+    digits, corr, unit = prepared(x, rows)
+    h = np.empty((rows.size, inter), np.float32)
+    gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, h, threads)
+    digits, corr, unit = prepared(h, np.arange(rows.size, dtype=np.int64))
+    down_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, out, dest, threads)
