@@ -110,13 +110,14 @@ def test_an_experts_rows_do_not_depend_on_its_batch_the_threads_or_the_deal():
     starts = np.cumsum([0] + [len(r) for r in token_rows]).astype(np.int64)
     bases = np.array([b.ctypes.data for b in blobs], np.intp)
     nbytes = blob_nbytes("int4", hidden, inter)
-    digits, corr, unit = V.prepared(x, rows)
+    digits, corr, unit = V.prepared(x, np.arange(x.shape[0], dtype=np.int64))
+    pairs = np.arange(n, dtype=np.int64)
     for deal in range(1, 6):
         h = np.empty((n, inter), np.float32)
-        V.gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, h, deal)
-        hd, hc, hu = V.prepared(h, np.arange(n, dtype=np.int64))
+        V.gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, rows, starts, h, deal)
+        hd, hc, hu = V.prepared(h, pairs)
         out = np.full((n, hidden), np.nan, dtype=np.float32)
-        V.down_int4(bases, nbytes, hidden, inter, hd, hc, hu, starts, out, np.arange(n, dtype=np.int64), deal)
+        V.down_int4(bases, nbytes, hidden, inter, hd, hc, hu, pairs, starts, out, pairs, deal)
         np.testing.assert_array_equal(out, full)
 
 

@@ -16,7 +16,8 @@ columns against 16 tokens, the inner step of every matmat; GMAC/s of the calling
 thread's CPU time); `matmat KIND ROWSxCOLS T=n` (median of timed calls over copies of the
 matrix that do not fit in the last-level cache, GMAC/s); `experts KIND
 gate_up|down` (64 experts, 128 tokens routed top-8 at random, or unevenly with
-`--skew`; GMAC/s of the launch, work items dealt round-robin to the threads or, `--deals
+`--skew`; the float path's launches, and for int4 on CPUs with AVX-512 VNNI also
+`experts_vnni`'s, "integer dots", which `experts_matmat` runs there; GMAC/s of the launch, work items dealt round-robin to the threads or, `--deals
 halves`, each thread a contiguous half; with --from-cache also with all 64 on one cache-resident blob); `attention
 T=n` (a causal prompt of n tokens, ms: the tiled kernel a prompt runs, then decode's
 token-by-token kernel that PREFILL_EXACT runs), `attention decode at N` (one token over N
@@ -37,7 +38,7 @@ from numba import njit
 from tierlab.app.lab import bench_kernels as B
 from tierlab.engine import hugepages
 from tierlab.engine.blob_layout import blob_nbytes
-from tierlab.engine.kernels import qmatmat
+from tierlab.engine.kernels import experts_vnni, qmatmat
 from tierlab.engine.kernels.dense import attention
 from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
 from tierlab.engine.kernels.prompt_attention import attention_tiles
@@ -139,7 +140,30 @@ def experts_lines(kinds: list[str], tokens: int, rng, from_cache: bool = False, 
             how = f"{where}{spread}" + (f", items {deal}" if len(deals) > 1 else "")
             lines.append(f"experts {kind} gate_up{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s ({1e3 * gate_up:.1f} ms)")
             lines.append(f"experts {kind} down{how}: {macs / down / 1e9:.1f} GMAC/s ({1e3 * down:.1f} ms)")
+            if experts_vnni.usable(kind, HIDDEN, INTER):  # what `experts_matmat` runs for int4 here
+                gate_up, down = _integer_dot_times(bases, nbytes, x, rows, starts, dest, threads)
+                lines.append(f"experts {kind} gate_up, integer dots{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s "
+                             f"({1e3 * gate_up:.1f} ms)")
+                lines.append(f"experts {kind} down, integer dots{how}: {macs / down / 1e9:.1f} GMAC/s "
+                             f"({1e3 * down:.1f} ms)")
     return lines
+
+
+def _integer_dot_times(bases, nbytes, x, rows, starts, dest, threads) -> tuple[float, float]:
+    """Median seconds of `experts_vnni`'s two launches, each with its preparation of x or h."""
+    h = np.empty((rows.size, INTER), np.float32)
+    out = np.empty((rows.size, HIDDEN), np.float32)
+    tokens, pairs = np.arange(x.shape[0], dtype=np.int64), np.arange(rows.size, dtype=np.int64)
+
+    def gate_up():
+        digits, corr, unit = experts_vnni.prepared(x, tokens)
+        experts_vnni.gate_up_int4(bases, nbytes, HIDDEN, INTER, digits, corr, unit, rows, starts, h, threads)
+
+    def down():
+        digits, corr, unit = experts_vnni.prepared(h, pairs)
+        experts_vnni.down_int4(bases, nbytes, HIDDEN, INTER, digits, corr, unit, pairs, starts, out, dest, threads)
+
+    return median_s(gate_up, 8), median_s(down, 8)
 
 
 def attention_lines(lengths: list[int], decode_at: int, rng) -> list[str]:

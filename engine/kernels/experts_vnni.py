@@ -247,16 +247,17 @@ def _tile_item(qa, sa, ra, qb, sb, rb, blocks, tiles, scales):
 
 
 @njit(**_OPTS)
-def _token_passes(tiles, digits, corr, unit, scales, first, last, res, pa, ra, pb, rb, pn):
-    """`_tile_dots` for prepared rows first..last-1, four a pass (a short last pass repeats its
-    last row): res[i - first] for each row i (res [last - first + 3, 32]). Meanwhile rows
-    ra..ra+pn-1 of pa and rb..rb+pn-1 of pb (the next work item's) are prefetched, a few lines
-    a pass, as the float path's items do (`qmatmat._dot_groups`)."""
+def _token_passes(tiles, digits, corr, unit, scales, rows, first, last, res, pa, ra, pb, rb, pn):
+    """`_tile_dots` for the prepared rows rows[first..last-1], four a pass (a short last pass
+    repeats its last row): res[i - first] for each i (res [last - first + 3, 32]). Meanwhile
+    rows ra..ra+pn-1 of pa and rb..rb+pn-1 of pb (the next work item's) are prefetched, a few
+    lines a pass, as the float path's items do (`qmatmat._dot_groups`)."""
     step = _lines_per_pass(pa, pn, (last - first + 3) // 4)
     done = 0
+    final = last - 1
     for t in range(first, last, 4):
-        tb, tc, td = min(t + 1, last - 1), min(t + 2, last - 1), min(t + 3, last - 1)
-        _tile_dots(tiles, digits, corr, unit, scales, t, tb, tc, td, res, t - first)
+        _tile_dots(tiles, digits, corr, unit, scales, rows[t], rows[min(t + 1, final)], rows[min(t + 2, final)],
+                   rows[min(t + 3, final)], res, t - first)
         if step:
             _prefetch_lines(pa, ra, pn, done, step)
             _prefetch_lines(pb, rb, pn, done, step)
@@ -268,9 +269,10 @@ def _token_passes(tiles, digits, corr, unit, scales, first, last, res, pa, ra, p
 
 
 @njit(**dict(_OPTS, parallel=True, error_model="numpy"))
-def gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, h, threads):
+def gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, rows, starts, h, threads):
     """h[p, r] = silu(gate . x_p) * (up . x_p) at row r of expert e's inter rows, for the pairs
-    starts[e] <= p < starts[e + 1] (prepared rows of `digits` / `corr` / `unit`) and the blob
+    starts[e] <= p < starts[e + 1], x_p the prepared token rows[p] (each token of the prompt
+    prepared once: rows of `digits` / `corr` / `unit`), and the blob
     at address bases[e]; work items of 16 gate and the same 16 up rows, dealt as
     `qmatmat._dealt` deals."""
     per = inter // _TILE
@@ -292,7 +294,7 @@ def gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, h, th
         res = np.empty((last - first + 3, _TILES * _TILE), np.float32)
         nxt = _dealt_next(step, w, n_items, threads, run)
         gate_n, _, up_n, _, _, _ = _expert_matrices(_NIBBLES, bases[nxt // per], nbytes, hidden, inter)
-        _token_passes(tiles, digits, corr, unit, scales, first, last, res, gate_n, (nxt % per) * _TILE, up_n,
+        _token_passes(tiles, digits, corr, unit, scales, rows, first, last, res, gate_n, (nxt % per) * _TILE, up_n,
                       (nxt % per) * _TILE, _TILE if nxt != w else 0)
         for p in range(first, last):
             for i in range(_TILE):
@@ -300,9 +302,9 @@ def gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, h, th
 
 
 @njit(**dict(_OPTS, parallel=True))
-def down_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, out, out_rows, threads):
+def down_int4(bases, nbytes, hidden, inter, digits, corr, unit, pairs, starts, out, out_rows, threads):
     """out[out_rows[p]] = down . h_p of expert e for the pairs starts[e] <= p < starts[e + 1]
-    (prepared rows of h) and the blob at address bases[e]; work items of 32 rows."""
+    (h_p the prepared row pairs[p] of h) and the blob at address bases[e]; work items of 32 rows."""
     rows = _TILES * _TILE
     per = hidden // rows
     blocks = inter // _BLOCK
@@ -324,7 +326,7 @@ def down_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, out, out
         nxt = _dealt_next(step, w, n_items, threads, run)
         _, _, _, _, down_n, _ = _expert_matrices(_NIBBLES, bases[nxt // per], nbytes, hidden, inter)
         r_n = (nxt % per) * rows
-        _token_passes(tiles, digits, corr, unit, scales, first, last, res, down_n, r_n, down_n, r_n + _TILE,
+        _token_passes(tiles, digits, corr, unit, scales, pairs, first, last, res, down_n, r_n, down_n, r_n + _TILE,
                       _TILE if nxt != w else 0)
         for p in range(first, last):
             row = out_rows[p]
@@ -342,8 +344,10 @@ def experts_int4(blobs: list, hidden: int, inter: int, x: np.ndarray, token_rows
     nbytes, bases, starts, rows, dest = expert_batch("experts_matmat", "int4", blobs, hidden, inter, x, token_rows,
                                                      out, out_rows)
     threads = numba.get_num_threads()
-    digits, corr, unit = prepared(x, rows)
+    tokens = np.arange(x.shape[0], dtype=np.int64)
+    digits, corr, unit = prepared(x, tokens)  # each token once, whatever number of its experts
     h = np.empty((rows.size, inter), np.float32)
-    gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, h, threads)
-    digits, corr, unit = prepared(h, np.arange(rows.size, dtype=np.int64))
-    down_int4(bases, nbytes, hidden, inter, digits, corr, unit, starts, out, dest, threads)
+    gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, rows, starts, h, threads)
+    pairs = np.arange(rows.size, dtype=np.int64)
+    digits, corr, unit = prepared(h, pairs)
+    down_int4(bases, nbytes, hidden, inter, digits, corr, unit, pairs, starts, out, dest, threads)
