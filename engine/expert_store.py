@@ -575,14 +575,14 @@ class ExpertStore:
     def forward_batch(self, blobs: list[np.ndarray], token_rows: list[list[int]], x: np.ndarray, out: np.ndarray,
                       out_rows: list[list[int]], exact: bool = False) -> None:
         """out[out_rows[e][i]] = expert e (blobs[e]) of x[token_rows[e][i]] for a batch of a
-        prompt's experts: those with more than `few_token_limit(kind)` tokens by matrix-matrix
+        prompt's experts: those with more than `few_token_limit(kind, hidden, inter)` tokens by matrix-matrix
         products in one pair of launches (within 1e-5 of decode), the others by the one-token
         kernel's dots in another pair (`experts_tokens`: for so few tokens, dots that need no
         widened rows cost less), bit-identical to decode; with `exact` all of them so. Which
         kernel an expert gets depends on its own token count only, so results never depend on
         the batch."""
         source = self._source
-        limit = few_token_limit(source.kind)
+        limit = few_token_limit(source.kind, source.hidden, source.inter)
         wide = [i for i, rows in enumerate(token_rows) if len(rows) > limit and not exact]
         if wide:
             experts_matmat(source.kind, [blobs[i] for i in wide], source.hidden, source.inter, x,

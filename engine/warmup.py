@@ -131,7 +131,7 @@ def warm_up(engine, progress: Progress | None = None) -> WarmupReport:
     ids = [i % cfg.vocab_size for i in (1, 2)]
     # more (token, expert) pairs than few_token_limit per expert, so some expert takes the
     # matrix kernels; one token repeated routes to few experts, so the step reads few
-    few = few_token_limit(engine.store_stats().expert_kind)
+    few = few_token_limit(engine.store_stats().expert_kind, cfg.hidden_size, cfg.moe_inter)
     wide_ids = ids[:1] * (few * cfg.n_experts // cfg.top_k + 1)
     total = len(STEPS)
     t0 = time.perf_counter()

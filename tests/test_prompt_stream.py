@@ -227,7 +227,7 @@ def test_a_batch_gives_small_experts_decodes_bits_and_the_rest_within_float_nois
                 out = np.full((at, H), np.nan, dtype=np.float32)
                 store.forward_batch(blobs, token_rows, x, out, out_rows, exact=exact)
                 for want, rows, dest in zip(wants, token_rows, out_rows):
-                    if exact or len(rows) <= few_token_limit(files.source.kind):
+                    if exact or len(rows) <= few_token_limit(files.source.kind, files.source.hidden, files.source.inter):
                         np.testing.assert_array_equal(out[dest], want)
                     else:
                         assert np.abs(out[dest] - want).max() <= 1e-5 * np.abs(want).max()

@@ -2,7 +2,7 @@
 
 "before" is one expert per call of `qmatmat.expert_matmat` (what a prompt's experts ran before
 the batches); "after" is what `ExpertStore.forward_batch` does: an expert of at most
-`few_token_limit(kind)` tokens (or `--limit`) by the one-token kernel's dots, all such experts in
+`few_token_limit(kind, ...)` tokens (or `--limit`) by the one-token kernel's dots, all such experts in
 one launch pair (`experts_tokens`), the others by `qmatmat.experts_matmat`, one expert per
 launch ("after 1") or eight ("after 8"); "one-token" is `qmatvec.expert_forward_tokens` at
 every T (where the limit comes from). 64 different real blobs (random weights through the
@@ -87,7 +87,7 @@ def main() -> None:
     args = p.parse_args()
     rng = np.random.default_rng(0)
     E = args.experts if args.layer else 64
-    limit = few_token_limit(args.kind) if args.limit is None else args.limit
+    limit = few_token_limit(args.kind, H, I) if args.limit is None else args.limit
     batched = not args.per_expert
     blobs = blobs_of(args.kind, E, rng)
     if args.layer:

@@ -23,6 +23,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from tierlab.engine.kernels import experts_vnni
 from tierlab.engine.kernels.qmatmat import _MARKERS, _deal_plan, _dealt, _expert_matrices, expert_batch
 from tierlab.engine.kernels.qmatvec import (_PARALLEL, _STEPS_PER_CHUNK, _WIDE, GATE_UP, INT_PATH, SET, _ahead_bytes,
                                             _columns_left, _first_left_over, _prepare_into, _prepared_sizes,
@@ -34,10 +35,15 @@ from tierlab.engine.kernels.qmatvec import (_PARALLEL, _STEPS_PER_CHUNK, _WIDE, 
 #: docs/benchmarks.md "Few-token experts"); elsewhere the matrix kernels' earlier threshold
 FEW_TOKENS_AVX512 = {"int4": 16, "int8": 12, "bf16": 8, "fp32": 4}
 FEW_TOKENS_OTHER = 4
+#: int4 experts whose matrix kernels are `experts_vnni`'s integer dots: those cost what these
+#: do at 8 tokens an expert and less above (docs/benchmarks.md, "int4 experts by integer dots")
+FEW_TOKENS_INTEGER_DOTS = 8
 
 
-def few_token_limit(kind: str) -> int:
-    """The most tokens with which a prompt's expert of `kind` takes these kernels."""
+def few_token_limit(kind: str, hidden: int, inter: int) -> int:
+    """The most tokens with which a prompt's expert of `kind` (hidden x inter) takes these kernels."""
+    if experts_vnni.usable(kind, hidden, inter):
+        return FEW_TOKENS_INTEGER_DOTS
     fast = INT_PATH == "vnni" if kind in ("int8", "int4") else _WIDE
     return FEW_TOKENS_AVX512[kind] if fast else FEW_TOKENS_OTHER
 
