@@ -28,43 +28,39 @@ _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 
 
+def _operations(kind: str, builder):
+    """(vector type, the per-chain instruction acc -> new acc given a, b, the lane sum's add,
+    the result as an int64) of `kind`."""
+    if kind == "vpdpbusd":
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I, [_V16I] * 3),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        return (_V16I, lambda acc, a, b: builder.call(fn, [acc, a, b]), builder.add,
+                lambda v: builder.sext(v, _I64), lambda i: builder.trunc(i, _I32), 0x01020304, 0x05060708)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+    return (_V16F, lambda acc, a, b: builder.call(fn, [a, b, acc]), builder.fadd,
+            lambda v: builder.fptosi(v, _I64), lambda i: builder.sitofp(i, _F32), 1.0001, 0.9999)
+
+
 def _chains_loop(kind: str, chains: int):
     """A compiled function (n) -> int: n rounds of `chains` independent zmm instructions of `kind`."""
 
     @intrinsic
     def loop(typingctx, n):
         def codegen(context, builder, signature, args):
-            if kind == "vpdpbusd":
-                vec, name = _V16I, "llvm.x86.avx512.vpdpbusd.512"
-                a, b = ir.Constant(vec, [0x01020304] * 16), ir.Constant(vec, [0x05060708] * 16)
-                inits = [ir.Constant(vec, [i] * 16) for i in range(chains)]
-                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), name)
+            vec, step, add, to_int, lane_of, a_value, b_value = _operations(kind, builder)
+            a, b = ir.Constant(vec, [a_value] * 16), ir.Constant(vec, [b_value] * 16)
+            inits = [ir.Constant(vec, [i] * 16) for i in range(chains)]
+            zero = ir.Constant(vec, [0] * 16)
 
-                def body(i, accs):  # the round number in one lane keeps the loop from being folded
-                    ai = builder.add(a, builder.insert_element(ir.Constant(vec, [0] * 16), builder.trunc(i, _I32),
-                                                               ir.Constant(_I32, 0)))
-                    return [builder.call(fn, [acc, ai, b]) for acc in accs]
-
-                accs = _counted_loop(builder, args[0], inits, body)
-                total = accs[0]
-                for acc in accs[1:]:
-                    total = builder.add(total, acc)
-                return builder.sext(builder.extract_element(total, ir.Constant(_I32, 3)), _I64)
-            vec = _V16F
-            a, b = ir.Constant(vec, [1.0001] * 16), ir.Constant(vec, [0.9999] * 16)
-            inits = [ir.Constant(vec, [float(i)] * 16) for i in range(chains)]
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), "llvm.fma.v16f32")
-
-            def body(i, accs):
-                ai = builder.fadd(a, builder.insert_element(ir.Constant(vec, [0.0] * 16), builder.sitofp(i, _F32),
-                                                            ir.Constant(_I32, 0)))
-                return [builder.call(fn, [ai, b, acc]) for acc in accs]
+            def body(i, accs):  # the round number in one lane keeps the loop from being folded
+                ai = add(a, builder.insert_element(zero, lane_of(i), ir.Constant(_I32, 0)))
+                return [step(acc, ai, b) for acc in accs]
 
             accs = _counted_loop(builder, args[0], inits, body)
             total = accs[0]
             for acc in accs[1:]:
-                total = builder.fadd(total, acc)
-            return builder.fptosi(builder.extract_element(total, ir.Constant(_I32, 3)), _I64)
+                total = add(total, acc)
+            return to_int(builder.extract_element(total, ir.Constant(_I32, 3)))
 
         return types.int64(n), codegen
 
