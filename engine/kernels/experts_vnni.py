@@ -268,35 +268,49 @@ def _token_passes(tiles, digits, corr, unit, scales, rows, first, last, res, pa,
 # come in items of 16 and the hidden rows (down) in items of 32, none short.
 
 
+@njit(**_OPTS)
+def _item_sums(qa, sa, ra, qb, sb, rb, blocks, digits, corr, unit, rows, first, last, na, rna, nb, rnb, pn):
+    """One work item's sums [last - first + 3, 32]: its two tiles (rows ra.. of qa, scales sa;
+    rb.. of qb, sb) against the prepared rows rows[first..last-1], while the next item's rows
+    (rna.. of na, rnb.. of nb, pn each; 0: none) are prefetched."""
+    tiles = np.empty((_TILES, blocks, 2, _TILE, _TILE), np.int32)
+    scales = np.empty((_TILES, sa.shape[1], _TILE), np.float32)
+    _tile_item(qa, sa, ra, qb, sb, rb, blocks, tiles, scales)
+    res = np.empty((last - first + 3, _TILES * _TILE), np.float32)
+    _token_passes(tiles, digits, corr, unit, scales, rows, first, last, res, na, rna, nb, rnb, pn)
+    return res
+
+
+@njit(**_OPTS)
+def _step_item(step, per, n_items, threads, run, starts):
+    """(work item, the item this thread most likely takes next) of a launch's step, dealt as
+    `qmatmat._dealt` deals; (-1, -1) past the last item or for an expert without tokens."""
+    w = _dealt(step, n_items, threads, run)
+    if w >= n_items or starts[w // per] == starts[w // per + 1]:
+        return -1, -1
+    return w, _dealt_next(step, w, n_items, threads, run)
+
+
 @njit(**dict(_OPTS, parallel=True, error_model="numpy"))
 def gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, rows, starts, h, threads):
     """h[p, r] = silu(gate . x_p) * (up . x_p) at row r of expert e's inter rows, for the pairs
     starts[e] <= p < starts[e + 1], x_p the prepared token rows[p] (each token of the prompt
-    prepared once: rows of `digits` / `corr` / `unit`), and the blob
-    at address bases[e]; work items of 16 gate and the same 16 up rows, dealt as
-    `qmatmat._dealt` deals."""
+    prepared once: rows of `digits` / `corr` / `unit`), and the blob at address bases[e];
+    work items of 16 gate and the same 16 up rows, dealt as `qmatmat._dealt` deals."""
     per = inter // _TILE
-    blocks = hidden // _BLOCK
     n_items, threads, run, steps = _deal_plan(bases.shape[0], per, threads)
     for step in prange(steps):
-        w = _dealt(step, n_items, threads, run)
-        if w >= n_items:
+        w, nxt = _step_item(step, per, n_items, threads, run, starts)
+        if w < 0:
             continue
-        e = w // per
-        first, last = starts[e], starts[e + 1]
-        if last == first:
-            continue
-        r0 = (w % per) * _TILE
+        e, r0 = w // per, (w % per) * _TILE
         gate, sg, up, su, _, _ = _expert_matrices(_NIBBLES, bases[e], nbytes, hidden, inter)
-        tiles = np.empty((_TILES, blocks, 2, _TILE, _TILE), np.int32)
-        scales = np.empty((_TILES, hidden // GROUP, _TILE), np.float32)
-        _tile_item(gate, sg, r0, up, su, r0, blocks, tiles, scales)
-        res = np.empty((last - first + 3, _TILES * _TILE), np.float32)
-        nxt = _dealt_next(step, w, n_items, threads, run)
         gate_n, _, up_n, _, _, _ = _expert_matrices(_NIBBLES, bases[nxt // per], nbytes, hidden, inter)
-        _token_passes(tiles, digits, corr, unit, scales, rows, first, last, res, gate_n, (nxt % per) * _TILE, up_n,
-                      (nxt % per) * _TILE, _TILE if nxt != w else 0)
-        for p in range(first, last):
+        r_n = (nxt % per) * _TILE
+        first = starts[e]
+        res = _item_sums(gate, sg, r0, up, su, r0, hidden // _BLOCK, digits, corr, unit, rows, first, starts[e + 1],
+                         gate_n, r_n, up_n, r_n, _TILE if nxt != w else 0)
+        for p in range(first, starts[e + 1]):
             for i in range(_TILE):
                 h[p, r0 + i] = silu_f32(res[p - first, i]) * res[p - first, _TILE + i]
 
@@ -305,33 +319,25 @@ def gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, rows, starts,
 def down_int4(bases, nbytes, hidden, inter, digits, corr, unit, pairs, starts, out, out_rows, threads):
     """out[out_rows[p]] = down . h_p of expert e for the pairs starts[e] <= p < starts[e + 1]
     (h_p the prepared row pairs[p] of h) and the blob at address bases[e]; work items of 32 rows."""
-    rows = _TILES * _TILE
-    per = hidden // rows
-    blocks = inter // _BLOCK
+    item = _TILES * _TILE
+    per = hidden // item
     n_items, threads, run, steps = _deal_plan(bases.shape[0], per, threads)
     for step in prange(steps):
-        w = _dealt(step, n_items, threads, run)
-        if w >= n_items:
+        w, nxt = _step_item(step, per, n_items, threads, run, starts)
+        if w < 0:
             continue
-        e = w // per
-        first, last = starts[e], starts[e + 1]
-        if last == first:
-            continue
-        r0 = (w % per) * rows
+        e, r0 = w // per, (w % per) * item
         _, _, _, _, down, sd = _expert_matrices(_NIBBLES, bases[e], nbytes, hidden, inter)
-        tiles = np.empty((_TILES, blocks, 2, _TILE, _TILE), np.int32)
-        scales = np.empty((_TILES, inter // GROUP, _TILE), np.float32)
-        _tile_item(down, sd, r0, down, sd, r0 + _TILE, blocks, tiles, scales)
-        res = np.empty((last - first + 3, rows), np.float32)
-        nxt = _dealt_next(step, w, n_items, threads, run)
         _, _, _, _, down_n, _ = _expert_matrices(_NIBBLES, bases[nxt // per], nbytes, hidden, inter)
-        r_n = (nxt % per) * rows
-        _token_passes(tiles, digits, corr, unit, scales, pairs, first, last, res, down_n, r_n, down_n, r_n + _TILE,
-                      _TILE if nxt != w else 0)
-        for p in range(first, last):
+        r_n = (nxt % per) * item
+        first = starts[e]
+        res = _item_sums(down, sd, r0, down, sd, r0 + _TILE, inter // _BLOCK, digits, corr, unit, pairs, first,
+                         starts[e + 1], down_n, r_n, down_n, r_n + _TILE, _TILE if nxt != w else 0)
+        for p in range(first, starts[e + 1]):
             row = out_rows[p]
-            for i in range(rows):
+            for i in range(item):
                 out[row, r0 + i] = res[p - first, i]
+
 
 def experts_int4(blobs: list, hidden: int, inter: int, x: np.ndarray, token_rows: list, out: np.ndarray,
                  out_rows: list) -> None:
