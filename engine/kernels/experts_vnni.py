@@ -28,6 +28,7 @@ not bit-identical to decode.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -37,9 +38,9 @@ from numba.extending import intrinsic
 from tierlab.engine.blob_layout import GROUP
 from tierlab.engine.kernels.fastexp import silu_f32
 from tierlab.engine.kernels.qmatmat import (_deal_plan, _dealt, _dealt_next, _expert_matrices, _lines_per_pass,
-                                            _prefetch_lines)
+                                            _prefetch_lines, expert_batch)
 from tierlab.engine.kernels.qmatvec import (_DIGIT_BITS, _I32, _I64, _V16F, _VNNI, _counted_loop, _load_vec,
-                                            _prepare_into, _prepared_sizes, _splat)
+                                            _prepare_into, _prepared_sizes, _row_start, _splat)
 
 _I8 = ir.IntType(8)
 _V16I = ir.VectorType(_I32, 16)
@@ -54,11 +55,6 @@ _DIGIT_BLOCK = 3 * 2 * 64  # prepared digit bytes per block: 3 digits x (low, hi
 def usable(kind: str, hidden: int, inter: int) -> bool:
     """True where this path runs: int4 weights, VNNI, and whole blocks in both widths."""
     return _VNNI and kind == "int4" and hidden % _BLOCK == 0 and inter % _BLOCK == 0
-
-
-def _ptr(builder, arr, byte_offset):
-    data = builder.bitcast(arr.data, _I8.as_pointer())
-    return builder.gep(data, [byte_offset])
 
 
 def _transpose16(builder, rows):
@@ -92,8 +88,7 @@ def _transpose_tile(typingctx, q, r0, n_blocks, tiles):
         a = context.make_array(signature.args[0])(context, builder, args[0])
         out = context.make_array(signature.args[3])(context, builder, args[3])
         first, nb = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 2))
-        stride = builder.extract_value(a.strides, 0)
-        row_ptrs = [_ptr(builder, a, builder.mul(builder.add(first, ir.Constant(_I64, lane)), stride))
+        row_ptrs = [_row_start(context, builder, a, builder.add(first, ir.Constant(_I64, lane)), types.int64)
                     for lane in range(_TILE)]
         low = ir.Constant(_V16I, [0x0F0F0F0F] * 16)
         four = ir.Constant(_V16I, [4] * 16)
@@ -134,7 +129,7 @@ def _tile_dots(typingctx, tiles, digits, corr, unit, scales, ta, tb, tc, td, res
         n_groups = builder.extract_value(co.shape, 1)
         tile_ptr = builder.bitcast(tl.data, _I8.as_pointer())
         tile_bytes = builder.mul(n_blocks, ir.Constant(_I64, 2 * 16 * 64))
-        dig_rows = [_ptr(builder, dg, builder.mul(t, builder.extract_value(dg.strides, 0))) for t in toks]
+        dig_rows = [_row_start(context, builder, dg, t, types.int64) for t in toks]
         co_rows = [builder.gep(co.data, [builder.mul(t, n_groups)]) for t in toks]
         un_rows = [builder.gep(un.data, [builder.mul(t, n_groups)]) for t in toks]
         zero_i = ir.Constant(_V16I, [0] * 16)
@@ -294,8 +289,8 @@ def _step_item(step, per, n_items, threads, run, starts):
 @njit(**dict(_OPTS, parallel=True, error_model="numpy"))
 def gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, rows, starts, h, threads):
     """h[p, r] = silu(gate . x_p) * (up . x_p) at row r of expert e's inter rows, for the pairs
-    starts[e] <= p < starts[e + 1], x_p the prepared token rows[p] (each token of the prompt
-    prepared once: rows of `digits` / `corr` / `unit`), and the blob at address bases[e];
+    starts[e] <= p < starts[e + 1], x_p row rows[p] of the prepared `digits` / `corr` / `unit`
+    (each token prepared once, whatever number of its experts), and the blob at address bases[e];
     work items of 16 gate and the same 16 up rows, dealt as `qmatmat._dealt` deals."""
     per = inter // _TILE
     n_items, threads, run, steps = _deal_plan(bases.shape[0], per, threads)
@@ -341,19 +336,16 @@ def down_int4(bases, nbytes, hidden, inter, digits, corr, unit, pairs, starts, o
 
 def experts_int4(blobs: list, hidden: int, inter: int, x: np.ndarray, token_rows: list, out: np.ndarray,
                  out_rows: list) -> None:
-    """`qmatmat.experts_matmat` for int4 experts where `usable`: x's rows prepared once, the
-    gate|up launch into h [pairs, inter], h's rows prepared, the down launch."""
-    import numba
-
-    from tierlab.engine.kernels.qmatmat import expert_batch
-
+    """`qmatmat.experts_matmat` for int4 experts where `usable`: the batch's tokens prepared
+    once each (a streamed prompt runs many batches: not all of x for each), the gate|up launch
+    into h [pairs, inter], h's rows prepared, the down launch."""
     nbytes, bases, starts, rows, dest = expert_batch("experts_matmat", "int4", blobs, hidden, inter, x, token_rows,
                                                      out, out_rows)
     threads = numba.get_num_threads()
-    tokens = np.arange(x.shape[0], dtype=np.int64)
-    digits, corr, unit = prepared(x, tokens)  # each token once, whatever number of its experts
+    tokens, at = np.unique(rows, return_inverse=True)
+    digits, corr, unit = prepared(x, tokens)
     h = np.empty((rows.size, inter), np.float32)
-    gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, rows, starts, h, threads)
+    gate_up_int4(bases, nbytes, hidden, inter, digits, corr, unit, at.astype(np.int64, copy=False), starts, h, threads)
     pairs = np.arange(rows.size, dtype=np.int64)
     digits, corr, unit = prepared(h, pairs)
     down_int4(bases, nbytes, hidden, inter, digits, corr, unit, pairs, starts, out, dest, threads)
