@@ -18,6 +18,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from tierlab.engine.kernels.fastexp import FAST_EXACT, sigmoid_f32, silu_f32
+from tierlab.engine.kernels.float_tiles import matmat_tiles, usable_dense
 from tierlab.engine.kernels.qmatmat import matmat_bf16
 from tierlab.engine.checkpoint import to_f32
 from tierlab.engine.kernels.qmatvec import (_I32, _I64, _V16F, _as_f32, _counted_loop, _load_vec, _row_view_ok,
@@ -91,7 +92,11 @@ def linear(w, x: np.ndarray) -> np.ndarray:
         return matvec(w, x[0])[None, :]
     if w.dtype == np.uint16:
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-        matmat_bf16(w, np.ascontiguousarray(x, dtype=np.float32), out)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if usable_dense(*w.shape) and w.flags.c_contiguous:
+            matmat_tiles(w, x, out)  # float32 tiles, one row to a lane (AVX-512)
+        else:
+            matmat_bf16(w, x, out)
         return out
     return np.ascontiguousarray(x @ w.T, dtype=np.float32)
 

@@ -862,6 +862,12 @@ def experts_matmat(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarra
         if experts_vnni.usable(kind, hidden, inter):  # integer dot products, 16 rows to a vector
             experts_vnni.experts_int4(blobs, hidden, inter, x, token_rows, out, out_rows)
             return
+    if kind in ("bf16", "fp32"):
+        from tierlab.engine.kernels import float_tiles  # (it builds on this module)
+
+        if float_tiles.usable(kind, hidden, inter):  # float32 tiles, 16 rows to a vector
+            float_tiles.experts_tiles(kind, blobs, hidden, inter, x, token_rows, out, out_rows)
+            return
     nbytes, bases, starts, rows, dest = expert_batch("experts_matmat", kind, blobs, hidden, inter, x, token_rows,
                                                      out, out_rows)
     width = _chunk_width(hidden)
