@@ -14,10 +14,12 @@ of two checkouts without the rest of a prefill's noise:
 Lines: `pass` (one core, cache-hot: `qmatmat._dot_rows4`, four widened rows of 512
 columns against 16 tokens, the inner step of every matmat; GMAC/s of the calling
 thread's CPU time); `matmat KIND ROWSxCOLS T=n` (median of timed calls over copies of the
-matrix that do not fit in the last-level cache, GMAC/s); `experts KIND
+matrix that do not fit in the last-level cache, GMAC/s; bf16 on CPUs with AVX-512 also
+`float_tiles.matmat_tiles`, "tiles", which `linear` runs there); `experts KIND
 gate_up|down` (64 experts, 128 tokens routed top-8 at random, or unevenly with
-`--skew`; the float path's launches, and for int4 on CPUs with AVX-512 VNNI also
-`experts_vnni`'s, "integer dots", which `experts_matmat` runs there; GMAC/s of the launch, work items dealt round-robin to the threads or, `--deals
+`--skew`; the float path's launches, and what `experts_matmat` runs instead where it
+does: bf16 on CPUs with AVX-512 `float_tiles`' launches, "tiles", int4 with AVX-512 VNNI
+`experts_vnni`'s, "integer dots"; GMAC/s of the launch, work items dealt round-robin to the threads or, `--deals
 halves`, each thread a contiguous half; with --from-cache also with all 64 on one cache-resident blob); `attention
 T=n` (a causal prompt of n tokens, ms: the tiled kernel a prompt runs, then decode's
 token-by-token kernel that PREFILL_EXACT runs), `attention decode at N` (one token over N
@@ -38,7 +40,7 @@ from numba import njit
 from tierlab.app.lab import bench_kernels as B
 from tierlab.engine import hugepages
 from tierlab.engine.blob_layout import blob_nbytes
-from tierlab.engine.kernels import experts_vnni, qmatmat
+from tierlab.engine.kernels import experts_vnni, float_tiles, qmatmat
 from tierlab.engine.kernels.dense import attention
 from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
 from tierlab.engine.kernels.prompt_attention import attention_tiles
@@ -91,8 +93,14 @@ def matmat_lines(kinds: list[str], rng) -> list[str]:
                 else:
                     qmatmat.matmat_quant(parts[0], parts[1], x, out)
 
+            def tiled():
+                float_tiles.matmat_tiles(ops[next(turn) % len(ops)][0], x, out)
+
             t = median_s(call, 20)
             lines.append(f"matmat {kind} {rows}x{cols} T={tokens}: {rows * cols * tokens / t / 1e9:.1f} GMAC/s")
+            if kind == "bf16" and float_tiles.usable_dense(rows, cols):  # what `linear` runs there
+                t = median_s(tiled, 20)
+                lines.append(f"matmat {kind} {rows}x{cols} T={tokens}, tiles: {rows * cols * tokens / t / 1e9:.1f} GMAC/s")
     return lines
 
 
@@ -140,6 +148,16 @@ def experts_lines(kinds: list[str], tokens: int, rng, from_cache: bool = False, 
             how = f"{where}{spread}" + (f", items {deal}" if len(deals) > 1 else "")
             lines.append(f"experts {kind} gate_up{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s ({1e3 * gate_up:.1f} ms)")
             lines.append(f"experts {kind} down{how}: {macs / down / 1e9:.1f} GMAC/s ({1e3 * down:.1f} ms)")
+            if float_tiles.usable(kind, HIDDEN, INTER):  # what `experts_matmat` runs for bf16 / fp32 here
+                h = np.empty((rows.size, INTER), np.float32)
+                pairs = np.arange(rows.size, dtype=np.int64)
+                gate_up = median_s(lambda: float_tiles.gate_up_tiles(marker, bases, nbytes, HIDDEN, INTER, x, rows,
+                                                                     starts, h, threads), 8)
+                down = median_s(lambda: float_tiles.down_tiles(marker, bases, nbytes, HIDDEN, INTER, h, pairs, starts,
+                                                               out, dest, threads), 8)
+                lines.append(f"experts {kind} gate_up, tiles{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s "
+                             f"({1e3 * gate_up:.1f} ms)")
+                lines.append(f"experts {kind} down, tiles{how}: {macs / down / 1e9:.1f} GMAC/s ({1e3 * down:.1f} ms)")
             if experts_vnni.usable(kind, HIDDEN, INTER):  # what `experts_matmat` runs for int4 here
                 gate_up, down = _integer_dot_times(bases, nbytes, x, rows, starts, dest, threads)
                 lines.append(f"experts {kind} gate_up, integer dots{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s "
