@@ -76,8 +76,8 @@ def widen(w: np.ndarray) -> np.ndarray:
 
 
 def linear(w, x: np.ndarray) -> np.ndarray:
-    """y = x @ w.T for one token (matvec kernels) or several (the row-widening matrix-matrix
-    kernels of qmatmat for bf16/int8/int4, BLAS for float32)."""
+    """y = x @ w.T for one token (matvec kernels) or several (bf16: float_tiles' tiles where the
+    widths allow, else qmatmat's row-widening kernels, as for int8/int4; BLAS for float32)."""
     if isinstance(w, QuantMatrix):
         return qlinear(w, x)
     if isinstance(w, RowStack):
