@@ -101,51 +101,44 @@ def _float_tile(typingctx, w, r0, c0, tile):
     return types.none(w, r0, c0, tile), codegen
 
 
-def _pass_of(builder, n, tile_ptrs, x_rows, res_rows, width, pairs):
-    """Emit one pass of n tokens over `width` columns of the tiles: res_rows[s][16 i + l] += row l
-    of tile i . x_rows[s], 128 columns at a time into fresh accumulators added in order, column
-    by column. `pairs`: the tiles hold bf16 pairs (columns 2k, 2k + 1 in one word), widened here:
-    the low one shifted into a float32's high half, the high one masked."""
+def _pass_of(builder, n, tile_ptrs, x_rows, res_rows, pairs):
+    """Emit one pass of n tokens over a chunk's `_BLOCK` columns: res_rows[s][16 i + l] += row l
+    of tile i . x_rows[s], column by column into fresh accumulators. `pairs`: the tiles hold bf16
+    pairs (columns 2k, 2k + 1 in one word), widened here: the low one shifted into a float32's
+    high half, the high one masked."""
     zero = ir.Constant(_V16F, [0.0] * 16)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
     per_step = 2 if pairs else 1
 
-    def block(blk, carried):
-        c0 = builder.mul(blk, ir.Constant(_I64, _BLOCK))
+    def step(k, accs):
+        c = builder.mul(k, ir.Constant(_I64, per_step))
+        loaded = [_load_vec(builder, p, builder.mul(k, ir.Constant(_I64, 16)), _V16I, 4) for p in tile_ptrs]
+        if pairs:
+            columns = [[builder.bitcast(builder.shl(v, ir.Constant(_V16I, [16] * 16)), _V16F) for v in loaded],
+                       [builder.bitcast(builder.and_(v, ir.Constant(_V16I, [-65536] * 16)), _V16F) for v in loaded]]
+        else:
+            columns = [[builder.bitcast(v, _V16F) for v in loaded]]
+        out = list(accs)
+        for j, w in enumerate(columns):
+            cj = builder.add(c, ir.Constant(_I64, j))
+            for s in range(n):
+                xv = _splat(builder, builder.load(builder.gep(x_rows[s], [cj])), _V16F)
+                for i in range(_TILES):
+                    out[s * _TILES + i] = builder.call(fma, [w[i], xv, out[s * _TILES + i]])
+        return out
 
-        def step(k, accs):
-            c = builder.add(c0, builder.mul(k, ir.Constant(_I64, per_step)))
-            word = builder.add(builder.mul(blk, ir.Constant(_I64, _BLOCK // per_step)), k)
-            loaded = [_load_vec(builder, p, builder.mul(word, ir.Constant(_I64, 16)), _V16I, 4) for p in tile_ptrs]
-            if pairs:
-                columns = [[builder.bitcast(builder.shl(v, ir.Constant(_V16I, [16] * 16)), _V16F) for v in loaded],
-                           [builder.bitcast(builder.and_(v, ir.Constant(_V16I, [-65536] * 16)), _V16F) for v in loaded]]
-            else:
-                columns = [[builder.bitcast(v, _V16F) for v in loaded]]
-            out = list(accs)
-            for j, w in enumerate(columns):
-                cj = builder.add(c, ir.Constant(_I64, j))
-                for s in range(n):
-                    xv = _splat(builder, builder.load(builder.gep(x_rows[s], [cj])), _V16F)
-                    for i in range(_TILES):
-                        out[s * _TILES + i] = builder.call(fma, [w[i], xv, out[s * _TILES + i]])
-            return out
-
-        sums = _counted_loop(builder, ir.Constant(_I64, _BLOCK // per_step), [zero] * (n * _TILES), step)
-        for s in range(n):
-            for i in range(_TILES):
-                ptr = builder.bitcast(builder.gep(res_rows[s], [ir.Constant(_I64, 16 * i)]), _V16F.as_pointer())
-                builder.store(builder.fadd(builder.load(ptr, align=4), sums[s * _TILES + i]), ptr, align=4)
-        return carried
-
-    _counted_loop(builder, builder.sdiv(width, ir.Constant(_I64, _BLOCK)), [ir.Constant(_I64, 0)], block)
+    sums = _counted_loop(builder, ir.Constant(_I64, _BLOCK // per_step), [zero] * (n * _TILES), step)
+    for s in range(n):
+        for i in range(_TILES):
+            ptr = builder.bitcast(builder.gep(res_rows[s], [ir.Constant(_I64, 16 * i)]), _V16F.as_pointer())
+            builder.store(builder.fadd(builder.load(ptr, align=4), sums[s * _TILES + i]), ptr, align=4)
 
 
 @intrinsic
 def _tile_dots(typingctx, tiles, x, rows, t, n, c0, res, at):
-    """res[at + s, 16 i + l] += row l of tile i . x[rows[t + s], c0:c0 + width] for s < n
-    (1 <= n <= _PASS); tiles float32 [_TILES, width, 16] from `_float_tile` (width a multiple
-    of 128), x float32 [N, cols], res [M, 32]."""
+    """res[at + s, 16 i + l] += row l of tile i . x[rows[t + s], c0:c0 + _BLOCK] for s < n
+    (1 <= n <= _PASS); tiles [_TILES, words, 16] from `_float_tile` (bf16 pairs as int32, 64
+    words; or float32 columns, 128), x float32 [N, cols], res [M, 32]."""
     arrays = (tiles, x, res)
     pairs = isinstance(tiles, types.Array) and tiles.dtype == types.int32
     if not (all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in arrays[1:])
@@ -157,11 +150,9 @@ def _tile_dots(typingctx, tiles, x, rows, t, n, c0, res, at):
     def codegen(context, builder, signature, args):
         tl, xa, ro, rs = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 6))
         t0, count, col0, row0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (3, 4, 5, 7))
-        words = builder.extract_value(tl.shape, 1)
-        width = builder.mul(words, ir.Constant(_I64, 2 if pairs else 1))
+        words = _BLOCK // 2 if pairs else _BLOCK
         base = builder.bitcast(tl.data, _I32.as_pointer())
-        tile_ptrs = [builder.gep(base, [builder.mul(builder.mul(words, ir.Constant(_I64, 16)), ir.Constant(_I64, i))])
-                     for i in range(_TILES)]
+        tile_ptrs = [builder.gep(base, [ir.Constant(_I64, words * 16 * i)]) for i in range(_TILES)]
         # the pass's x rows and res rows (those past n repeat the last: never read by the cases below)
         last = builder.sub(count, ir.Constant(_I64, 1))
         x_rows, res_rows = [], []
@@ -177,7 +168,7 @@ def _tile_dots(typingctx, tiles, x, rows, t, n, c0, res, at):
             case = builder.append_basic_block(f"pass.{n_tokens}")
             switch.add_case(ir.Constant(_I64, n_tokens), case)
             builder.position_at_end(case)
-            _pass_of(builder, n_tokens, tile_ptrs, x_rows, res_rows, width, pairs)
+            _pass_of(builder, n_tokens, tile_ptrs, x_rows, res_rows, pairs)
             builder.branch(done)
         builder.position_at_end(done)
         return context.get_dummy_value()
@@ -199,7 +190,7 @@ def _new_tiles_impl(w):
 @njit(**_OPTS)
 def _item_sums(wa, ra, wb, rb, x, rows, first, last, na, rna, nb, rnb, pn):
     """One work item's sums [last - first, 32]: rows ra..ra+15 of wa and rb..rb+15 of wb against
-    x[rows[first..last-1]], a chunk of `_BLOCK` columns at a time: the chunk's two tiles (16 KiB,
+    x[rows[first..last-1]], a chunk of `_BLOCK` columns at a time: the chunk's two tiles (8 or 16 KiB,
     kept in L1: whole-width tiles, written to L2 and read back, cost 40% of the FMAs' time at 16
     tokens), then every token, `_PASS` a pass. Meanwhile the next item's rows (rna.. of na, rnb..
     of nb, pn each; 0: none) are prefetched a few lines a pass, so that their reads from DRAM
