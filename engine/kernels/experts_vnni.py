@@ -75,10 +75,10 @@ _LO32, _HI32, _LO64, _HI64, _EVEN_LANES, _ODD_LANES = _lane_masks()
 
 
 def _transpose16(builder, rows):
-    """16 vectors of 16 dwords -> the transposed 16 (vector c, lane l = rows[l][c]). Half the
-    shuffles stay within 128-bit lanes, which a Zen 4 runs two a cycle: a tile of the float
-    experts built in a third of the time that four rounds of two-input cross-lane shuffles
-    (`vpermt2d`, and the copies they need) took (docs/benchmarks.md)."""
+    """16 vectors of 16 dwords -> the transposed 16 (vector c, lane l = rows[l][c]): 64 shuffles,
+    half of them within 128-bit lanes, where four rounds of two-input shuffles compiled to 128
+    and the copies `vpermt2d` needs. The tiles built no faster on the Zen 4 (the rows' reads
+    bound them there; docs/benchmarks.md, "bf16 prompts by float tiles"), but no slower either."""
     def mix(a, b, mask):
         return builder.shuffle_vector(a, b, ir.Constant(_V16I, mask))
 
