@@ -384,10 +384,10 @@ def _four_rows(context, builder, signature, args, k):
 
 
 # A row's scales are a stream of their own (float32 per 64-weight group: 8 bytes per 64-byte
-# block of int4 rows, 4 of int8) that the hardware prefetcher left cold on wide rows: with
-# the scales of the rows `ahead` prefetched too, a line per 64 bytes of them, int4 rows of
-# 2048 columns read 6-17% faster from DRAM on the Zen 4 (docs/benchmarks.md, Kernels:
-# "The scales prefetched too").
+# block of int4 rows, 4 of int8) that the hardware prefetcher alone did not keep ahead of: with
+# the scales of the rows `ahead` prefetched too, a line per 64 bytes of them, two threads
+# read int4 4096x2048 and int8 512x2048 rows 17-20% faster from DRAM on the Zen 4, the
+# other expert shapes 0-8% (docs/benchmarks.md, Kernels: "The scales prefetched too").
 _SCALE_BYTES = {4: 8, 8: 4}
 
 
