@@ -400,9 +400,10 @@ def _vnni_rows_loop(context, builder, signature, args, bits):
     ahead = args[-1]
     blocks = builder.sdiv(n_groups, ir.Constant(_I64, 2)) if bits == 4 else n_groups
     zero = ir.Constant(_V16F, [0.0] * 16)
-    # the rows' scales ahead too, a line at a time (see _SCALE_BYTES)
+    # the rows' scales ahead too, at the first block of each 64 bytes of them (see
+    # _SCALE_BYTES): `ahead` bytes of weight rows are ahead * scale_bytes / 64 of their scales
     scale_bytes = ir.Constant(_I64, _SCALE_BYTES[bits])
-    per_line = ir.Constant(_I64, 64 // _SCALE_BYTES[bits] - 1)
+    line_mask = ir.Constant(_I64, 64 // _SCALE_BYTES[bits] - 1)
     scales_ahead = builder.sdiv(builder.mul(ahead, scale_bytes), ir.Constant(_I64, 64))
 
     def sweep(rows):
@@ -411,7 +412,7 @@ def _vnni_rows_loop(context, builder, signature, args, bits):
             for (q, s), acc in zip(rows, accs):
                 _prefetch(builder, q, builder.add(builder.mul(b, ir.Constant(_I64, 64)), ahead))
                 out.append(_fma(builder, *_vnni_block(builder, q, s, b, digits, unit, corr, bits, False), acc))
-            line_start = builder.icmp_signed("==", builder.and_(b, per_line), ir.Constant(_I64, 0))
+            line_start = builder.icmp_signed("==", builder.and_(b, line_mask), ir.Constant(_I64, 0))
             with builder.if_then(line_start):
                 for q, s in rows:
                     _prefetch(builder, s, builder.add(builder.mul(b, scale_bytes), scales_ahead))
