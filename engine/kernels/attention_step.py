@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from tierlab.engine.kernels.decode_attention import attention_decode
 from tierlab.engine.kernels.dense import add_rms_norm, attention, residual_norms, rms_norm, rope_inplace, sigmoid_gate
 from tierlab.engine.kernels.moe_step import timed_router_block
 from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
@@ -57,7 +58,10 @@ def _attention_kernels(wi, si, wo, so, x2, gated, heads, kv_heads, head_dim, q_n
             k_cache[h, start, i] = kn[h, i]
             v_cache[h, start, i] = y[v_start + h * d + i]
     att = np.empty((1, heads, d), np.float32)
-    attention(q3, k_cache, v_cache, start, att)
+    if d % 16 == 0:
+        attention_decode(qn, k_cache, v_cache, start, att[0], threads)
+    else:  # the token-by-token kernel, as a prompt's attention runs at such head dims
+        attention(q3, k_cache, v_cache, start, att)
     o = att.reshape((1, heads * d))
     if gated:
         sigmoid_gate(o, gate)

@@ -29,44 +29,65 @@ from numba.extending import intrinsic
 
 from tierlab.engine.kernels.fastexp import FAST_EXACT, exp_f32
 from tierlab.engine.kernels.qmatmat import _dot4x1_into, _dot4x2_into_lanes, _dot4x3_into, _dot4x4_into, _f32_matrix
-from tierlab.engine.kernels.qmatvec import _fma, _I64, _V16F, _counted_loop, _load_vec, _splat
+from tierlab.engine.kernels.qmatvec import _fma, _I64, _V16F, _counted_loop, _load_vec, _prefetch, _splat
 
 _F32 = ir.FloatType()
 
 
-def _weighted_rows_codegen(chunks):
+def _weighted_rows_codegen(chunks, ranged=False, ahead=0):
     """Codegen of acc[s, c0:c0 + 16 * chunks] = sum_j p[s, j] * v[j, c0:c0 + 16 * chunks] for the
-    four heads s, keys j = 0..n-1 in order: 4 * chunks 16-lane sums carried across the keys."""
+    four heads s, keys j = 0..n-1 in order: 4 * chunks 16-lane sums carried across the keys.
+
+    `ranged` (decode's passes over a long cache): the arguments are (p, v, j0, j1, c0, acc) and
+    the sums go on from acc's values over keys j0..j1-1, so that pieces taken in order give
+    the one chain of FMAs a single pass gives; else (p, v, n, c0, acc), from zero. With
+    `ahead`, each key's step also prefetches the same columns of the value row `ahead` keys
+    on (at most v's last row)."""
 
     def codegen(context, builder, signature, args):
-        p_arr, v_arr, acc_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 4))
-        n = context.cast(builder, args[2], signature.args[2], types.int64)
-        c0 = context.cast(builder, args[3], signature.args[3], types.int64)
+        count = 6 if ranged else 5
+        p_arr, v_arr, acc_arr = (context.make_array(signature.args[i])(context, builder, args[i])
+                                 for i in (0, 1, count - 1))
+        ints = [context.cast(builder, args[i], signature.args[i], types.int64) for i in range(2, count - 1)]
+        j0, j1, c0 = ints if ranged else (ir.Constant(_I64, 0), *ints)
 
         def row(arr, r):
             start = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()),
                                 [builder.mul(r, builder.extract_value(arr.strides, 0))])
             return builder.bitcast(start, arr.data.type)
 
-        p_rows = [row(p_arr, ir.Constant(_I64, s)) for s in range(4)]
+        def columns(i):
+            return builder.add(c0, ir.Constant(_I64, 16 * i))
 
-        def body(j, accs):
+        p_rows = [row(p_arr, ir.Constant(_I64, s)) for s in range(4)]
+        last = builder.sub(builder.extract_value(v_arr.shape, 0), ir.Constant(_I64, 1))
+
+        def body(i, accs):
+            j = builder.add(j0, i)
+            if ahead:
+                later = builder.add(j, ir.Constant(_I64, ahead))
+                later_row = row(v_arr, builder.select(builder.icmp_signed("<", later, last), later, last))
+                for c in range(chunks):
+                    _prefetch(builder, later_row, builder.mul(columns(c), ir.Constant(_I64, 4)))
             v_row = row(v_arr, j)
-            vv = [_load_vec(builder, v_row, builder.add(c0, ir.Constant(_I64, 16 * i)), _V16F, 4) for i in range(chunks)]
+            vv = [_load_vec(builder, v_row, columns(c), _V16F, 4) for c in range(chunks)]
             out = []
             for s in range(4):
                 ps = _splat(builder, builder.load(builder.gep(p_rows[s], [j])), _V16F)
-                out += [_fma(builder, ps, vv[i], accs[s * chunks + i])
-                        for i in range(chunks)]
+                out += [_fma(builder, ps, vv[c], accs[s * chunks + c]) for c in range(chunks)]
             return out
 
-        zero = ir.Constant(_V16F, [0.0] * 16)
-        accs = _counted_loop(builder, n, [zero] * (4 * chunks), body)
+        def acc_vector(s, c):
+            return builder.bitcast(builder.gep(row(acc_arr, ir.Constant(_I64, s)), [columns(c)]), _V16F.as_pointer())
+
+        if ranged:
+            start = [builder.load(acc_vector(s, c), align=4) for s in range(4) for c in range(chunks)]
+        else:
+            start = [ir.Constant(_V16F, [0.0] * 16)] * (4 * chunks)
+        accs = _counted_loop(builder, builder.sub(j1, j0), start, body)
         for s in range(4):
-            dst = row(acc_arr, ir.Constant(_I64, s))
-            for i in range(chunks):
-                ptr = builder.bitcast(builder.gep(dst, [builder.add(c0, ir.Constant(_I64, 16 * i))]), _V16F.as_pointer())
-                builder.store(accs[s * chunks + i], ptr, align=4)
+            for c in range(chunks):
+                builder.store(accs[s * chunks + c], acc_vector(s, c), align=4)
         return context.get_dummy_value()
 
     return codegen
@@ -149,9 +170,10 @@ def _scores_into(keys, pad, qt, h0, heads, length, scores):
 @njit(nogil=True, cache=True, fastmath=FAST_EXACT, error_model="numpy")
 def _softmax_rows(scores, heads, length, scale, probs):
     """probs[s, :length] = softmax(scale * scores of head s) for s < heads; zero rows after.
-    (`exp_f32`, not math.exp: the C library's scalar expf would keep the loop scalar.) No
-    reassociation (FAST_EXACT): the sum of a row runs in key order, so its bits cannot depend on
-    the order LLVM gives a reduction where this is inlined, which differed between a process
+    (`exp_f32`, not math.exp: the C library's scalar expf would keep the loop scalar; and the
+    exponentials in a loop of their own, apart from their sum, which LLVM does not vectorise.)
+    No reassociation (FAST_EXACT): the sum of a row runs in key order, so its bits cannot depend
+    on the order LLVM gives a reduction where this is inlined, which differed between a process
     that compiled a kernel and one that loaded it from numba's cache (docs/engine.md)."""
     for s in range(4):
         if s >= heads:
@@ -163,11 +185,11 @@ def _softmax_rows(scores, heads, length, scale, probs):
         m = np.float32(-np.inf)
         for j in range(length):
             m = max(m, probs[s, j])
+        for j in range(length):
+            probs[s, j] = exp_f32(probs[s, j] - m)
         total = np.float32(0.0)
         for j in range(length):
-            e = exp_f32(probs[s, j] - m)
-            probs[s, j] = e
-            total += e
+            total += probs[s, j]
         inv = np.float32(1.0) / total
         for j in range(length):
             probs[s, j] *= inv

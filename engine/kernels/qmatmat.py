@@ -172,23 +172,31 @@ def _f32_matrix(t) -> bool:
     return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == types.float32
 
 
-def _dot4xn_codegen(n):
+def _dot4xn_codegen(n, first_row=False):
     """Codegen of a pass of four rows by n tokens (n = 1..4): 4 * n 16-lane accumulators, then
     `_tree_sums` over them and zero vectors in the absent tokens' places, so that a token's
     sums take the same FMAs and additions in every variant (a sum only ever adds its own
-    vector's lanes, and a zero vector's sums are zeros)."""
+    vector's lanes, and a zero vector's sums are zeros). The arguments are (w4, x, the n
+    token rows, acc, at), or with `first_row` (w, r0, x, ...): rows r0..r0+3 of w, so that a
+    caller walking a long matrix passes it whole instead of a view (and its reference count)
+    per four rows."""
+    shift = 1 if first_row else 0
 
     def codegen(context, builder, signature, args):
         w_arr, x_arr, acc_arr = (context.make_array(signature.args[i])(context, builder, args[i])
-                                 for i in (0, 1, 2 + n))
+                                 for i in (0, 1 + shift, 2 + n + shift))
 
         def row(arr, r):
             start = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()),
                                 [builder.mul(r, builder.extract_value(arr.strides, 0))])
             return builder.bitcast(start, arr.data.type)
 
-        ws = [row(w_arr, ir.Constant(_I64, k)) for k in range(4)]
-        xs = [row(x_arr, context.cast(builder, args[2 + s], signature.args[2 + s], types.int64)) for s in range(n)]
+        def arg_int(i):
+            return context.cast(builder, args[i], signature.args[i], types.int64)
+
+        r0 = arg_int(1) if first_row else ir.Constant(_I64, 0)
+        ws = [row(w_arr, builder.add(r0, ir.Constant(_I64, k))) for k in range(4)]
+        xs = [row(x_arr, arg_int(2 + shift + s)) for s in range(n)]
 
         def body(i, accs):
             col = builder.mul(i, ir.Constant(_I64, 16))
@@ -201,20 +209,20 @@ def _dot4xn_codegen(n):
         zero = ir.Constant(_V16F, [0.0] * 16)
         accs = _counted_loop(builder, steps, [zero] * (4 * n), body)
         sums = _tree_sums(builder, accs + [zero] * (16 - 4 * n))
-        dst = builder.bitcast(row(acc_arr, context.cast(builder, args[3 + n], signature.args[3 + n], types.int64)),
-                              _V16F.as_pointer())
+        dst = builder.bitcast(row(acc_arr, arg_int(3 + n + shift)), _V16F.as_pointer())
         builder.store(builder.fadd(builder.load(dst, align=4), sums), dst, align=4)
         return context.get_dummy_value()
 
     return codegen
 
 
-def _dot4xn(n, w4, x, acc, args):
+def _dot4xn(n, w4, x, acc, args, first_row=False):
     """The (signature, codegen) of a pass of four rows by n tokens for these argument types
-    (w4, x, the n token rows, acc, at), or None when they are not float32 C matrices."""
+    (w4, x, the n token rows, acc, at; with `first_row`: w, r0, x, ...), or None when they are
+    not float32 C matrices."""
     if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
         return None
-    return types.none(*args), _dot4xn_codegen(n)
+    return types.none(*args), _dot4xn_codegen(n, first_row)
 
 
 @intrinsic

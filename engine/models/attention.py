@@ -4,10 +4,12 @@ Shared by both architectures: Qwen3-MoE uses plain norms and no output
 gate; Qwen3.5/3.6 uses zero-centred norms and a per-head sigmoid gate that
 rides along in q_proj (per head: query(d) | gate(d)).
 
-Decode's attention is the token-by-token kernel `dense.attention`; a prompt's
-runs in tiles of four heads by four keys (`prompt_attention.attention_tiles`,
-about three times faster at 512 tokens), or with PREFILL_EXACT through
-decode's kernel, so that a prompt gets decode's bits.
+A prompt's attention runs in tiles of four heads by four keys
+(`prompt_attention.attention_tiles`), a decoded token's in three passes over
+the cache that read each key and value once (`decode_attention.attention_decode`)
+with the tiles' own operations: a token gets the same bits either way, so
+PREFILL_EXACT changes nothing here. Head dims that are not a multiple of 16
+take the token-by-token kernel `dense.attention` in both.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import numpy as np
 from tierlab.engine.checkpoint import Checkpoint, fuse_rows
 from tierlab.engine.config import ModelConfig
 from tierlab.engine.kernels.attention_step import attention_step
+from tierlab.engine.kernels.decode_attention import attention_decode
 from tierlab.engine.kernels.dense import attention, linear, rmsnorm, rope_inplace, sigmoid_gate
 from tierlab.engine.kernels.prompt_attention import attention_tiles
+from tierlab.engine.kernels.qmatvec import _thread_count
 from tierlab.engine.qlinear import pass_operands
 
 
@@ -95,8 +99,8 @@ class Attention:
                               start, norms, router, stamps)
 
     def forward(self, x: np.ndarray, start: int, cache: KVCache, exact: bool = False) -> np.ndarray:
-        """x: normed hidden states [T, H] at positions start..start+T-1; `exact` (PREFILL_EXACT):
-        a prompt's attention by decode's token-by-token kernel, so that it gets decode's bits."""
+        """x: normed hidden states [T, H] at positions start..start+T-1; `exact` (PREFILL_EXACT) is
+        the mixers' common argument: a prompt's attention has decode's bits without it."""
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -125,8 +129,12 @@ class Attention:
         cache.k[:, start:start + T] = k.transpose(1, 0, 2)
         cache.v[:, start:start + T] = v.transpose(1, 0, 2)
         out = np.empty((T, nh, d), dtype=np.float32)
-        tiled = T > 1 and not exact and d % 16 == 0
-        (attention_tiles if tiled else attention)(q, cache.k, cache.v, start, out)
+        if d % 16:
+            attention(q, cache.k, cache.v, start, out)
+        elif T == 1:
+            attention_decode(q[0], cache.k, cache.v, start, out[0], _thread_count())
+        else:
+            attention_tiles(q, cache.k, cache.v, start, out)
         out = out.reshape(T, nh * d)
         if gate is not None:
             sigmoid_gate(out, gate)
