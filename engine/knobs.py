@@ -50,7 +50,7 @@ SPECS: tuple[KnobSpec, ...] = (
     KnobSpec("HOT", int, 0, 0, None, help="pin the n most-routed experts per layer after WARMUP tokens"),
     KnobSpec("WARMUP", int, 5, 0, None, help="tokens before HOT pins"),
     KnobSpec("PREFILL_EXACT", bool, False,
-             help="1: a prompt's experts, DeltaNet and attention give each token exactly what decode gives it (slower prefill)"),
+             help="1: a prompt's experts and DeltaNet give each token exactly what decode gives it (slower prefill; attention does either way)"),
 )
 SPEC_BY_NAME = {s.name: s for s in SPECS}
 

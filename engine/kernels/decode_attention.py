@@ -131,12 +131,62 @@ def _weighted_stripe(probs, values, j0, j1, c0, acc):
         _weighted_range1(probs, values, j0, j1, c0, acc)
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def _scores_of_keys(q, keys, kvh, group, per_kv, first, end, scores, pad):
+    """scores[kvh's head block hb][4b + s, k] += head s of the block . key 4b + k, for key blocks
+    first..end-1 of one key/value head's keys; each block of keys dotted with every head block
+    while it sits in L1, the rows KEY_ROWS_AHEAD on prefetched. pad [4, d]: zeros, for the
+    cache's last rows when its last block of four runs past them (as the tiles read it)."""
+    rows = keys.shape[0]
+    d = keys.shape[1]
+    for b in range(first, end):
+        j = 4 * b
+        block, r0 = keys, j
+        if j + 4 > rows:
+            pad[:rows - j] = keys[j:rows]
+            block, r0 = pad, 0
+        elif KEY_ROWS_AHEAD and j + KEY_ROWS_AHEAD + 4 <= rows:
+            _prefetch_lines(keys, j + KEY_ROWS_AHEAD, 4, 0, 4 * d // 16)
+        for hb in range(per_kv):
+            h0 = kvh * group + 4 * hb
+            _score_block(block, r0, q, h0, min(4, kvh * group + group - h0), scores[kvh * per_kv + hb], j)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _softmax_block(scores, blk, group, per_kv, length, scale, probs):
+    """Head block blk's probabilities from its scores (`_softmax_rows`, the tiles' softmax)."""
+    h0 = (blk // per_kv) * group + 4 * (blk % per_kv)
+    heads = min(4, (blk // per_kv) * group + group - h0)
+    _softmax_rows(scores[blk].reshape((scores.shape[1] // 4, 4, 4)), heads, length, scale, probs[blk])
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _weighted_values(probs, values, kvh, group, per_kv, length, first, end, out):
+    """out[head, c] for one key/value head's query heads and the columns of stripes first..end-1:
+    a piece of KEYS_PER_PIECE keys at a time through every stripe and head block (the piece's
+    value rows read from memory once), each sum one chain of FMAs over the keys in order."""
+    d = values.shape[1]
+    acc = np.zeros((per_kv, 4, d), dtype=np.float32)
+    for j0 in range(0, length, KEYS_PER_PIECE):
+        j1 = min(length, j0 + KEYS_PER_PIECE)
+        for stripe in range(first, end):
+            for hb in range(per_kv):
+                _weighted_stripe(probs[kvh * per_kv + hb], values, j0, j1, stripe * STRIPE, acc[hb])
+    for hb in range(per_kv):
+        h0 = kvh * group + 4 * hb
+        for s in range(min(4, kvh * group + group - h0)):
+            for i in range(first * STRIPE, min(d, end * STRIPE)):
+                out[h0 + s, i] = acc[hb, s, i]
+
+
 @njit(nogil=True, cache=True, fastmath=True, parallel=True)
 def attention_decode(q, k_cache, v_cache, pos, out, threads):
     """Causal GQA attention of one token at position `pos`: q [Hq, d]; k_cache, v_cache
     [Hkv, maxT, d] already holding its key and value; out [Hq, d]; d a multiple of 16;
     `threads`: the pool's thread count (`qmatvec._thread_count`; the split of the last pass).
-    Scores scaled by 1/sqrt(d) and softmaxed in float32, as `attention_tiles` does them."""
+    Scores scaled by 1/sqrt(d) and softmaxed in float32, as `attention_tiles` does them.
+    A cache of up to one scores task's keys takes one launch, a task per key/value head
+    (three launches cost more than such a cache's reads); a longer one the three passes."""
     n_heads, d = q.shape
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
@@ -144,52 +194,34 @@ def attention_decode(q, k_cache, v_cache, pos, out, threads):
     head_blocks = n_kv * per_kv
     length = pos + 1
     key_blocks = (length + 3) // 4
-    rows = k_cache.shape[1]
     scale = np.float32(1.0 / math.sqrt(d))
-
-    # head block's scores as the tiles keep them ([key block, head, key]), rows 4b..4b+3 for block b
+    stripes = (d + STRIPE - 1) // STRIPE
+    # each head block's scores as the tiles keep them ([key block, head, key]): rows 4b..4b+3 for block b
     scores = np.zeros((head_blocks, 4 * key_blocks, 4), dtype=np.float32)
+    probs = np.empty((head_blocks, 4, key_blocks * 4), dtype=np.float32)
+
+    if key_blocks <= KEY_BLOCKS_PER_TASK:
+        for kvh in prange(n_kv):
+            pad = np.zeros((4, d), dtype=np.float32)
+            _scores_of_keys(q, k_cache[kvh], kvh, group, per_kv, 0, key_blocks, scores, pad)
+            for blk in range(kvh * per_kv, (kvh + 1) * per_kv):
+                _softmax_block(scores, blk, group, per_kv, length, scale, probs)
+            _weighted_values(probs, v_cache[kvh], kvh, group, per_kv, length, 0, stripes, out)
+        return
+
     ranges = (key_blocks + KEY_BLOCKS_PER_TASK - 1) // KEY_BLOCKS_PER_TASK
     for task in prange(n_kv * ranges):
         kvh = task // ranges
         first = (task % ranges) * KEY_BLOCKS_PER_TASK
-        keys = k_cache[kvh]
         pad = np.zeros((4, d), dtype=np.float32)
-        for b in range(first, min(key_blocks, first + KEY_BLOCKS_PER_TASK)):
-            j = 4 * b
-            block, r0 = keys, j
-            if j + 4 > rows:  # the cache's last rows: zeros past its end, as the tiles read them
-                pad[:rows - j] = keys[j:rows]
-                block, r0 = pad, 0
-            elif KEY_ROWS_AHEAD and j + KEY_ROWS_AHEAD + 4 <= rows:
-                _prefetch_lines(keys, j + KEY_ROWS_AHEAD, 4, 0, 4 * d // 16)
-            for hb in range(per_kv):
-                h0 = kvh * group + 4 * hb
-                _score_block(block, r0, q, h0, min(4, kvh * group + group - h0), scores[kvh * per_kv + hb], j)
-
-    probs = np.empty((head_blocks, 4, key_blocks * 4), dtype=np.float32)
+        _scores_of_keys(q, k_cache[kvh], kvh, group, per_kv, first, min(key_blocks, first + KEY_BLOCKS_PER_TASK),
+                        scores, pad)
     for blk in prange(head_blocks):
-        h0 = (blk // per_kv) * group + 4 * (blk % per_kv)
-        heads = min(4, (blk // per_kv) * group + group - h0)
-        _softmax_rows(scores[blk].reshape((key_blocks, 4, 4)), heads, length, scale, probs[blk])
-
-    # each task: a key/value head's stripes sw..se-1, a piece of keys at a time over all of them
-    # (the piece's rows read once, whole, from memory); as many tasks as threads where the heads allow
-    stripes = (d + STRIPE - 1) // STRIPE
+        _softmax_block(scores, blk, group, per_kv, length, scale, probs)
+    # a task per key/value head, or per part of its stripes where there are more threads than heads
     split = min(stripes, max(1, threads // n_kv))
     for task in prange(n_kv * split):
         kvh = task // split
         part = task % split
-        sw = part * stripes // split
-        se = (part + 1) * stripes // split
-        acc = np.zeros((per_kv, 4, d), dtype=np.float32)
-        for j0 in range(0, length, KEYS_PER_PIECE):
-            j1 = min(length, j0 + KEYS_PER_PIECE)
-            for stripe in range(sw, se):
-                for hb in range(per_kv):
-                    _weighted_stripe(probs[kvh * per_kv + hb], v_cache[kvh], j0, j1, stripe * STRIPE, acc[hb])
-        for hb in range(per_kv):
-            h0 = kvh * group + 4 * hb
-            for s in range(min(4, kvh * group + group - h0)):
-                for i in range(sw * STRIPE, min(d, se * STRIPE)):
-                    out[h0 + s, i] = acc[hb, s, i]
+        _weighted_values(probs, v_cache[kvh], kvh, group, per_kv, length, part * stripes // split,
+                         (part + 1) * stripes // split, out)
