@@ -37,7 +37,9 @@ What a run does:
 2. per row, in fresh processes, interleaved (the order of the cells rotates
    from round to round): llama.cpp under every OMP_WAIT_POLICY (unset =
    libgomp's default, ACTIVE, PASSIVE) with weight repacking on
-   (`use_extra_bufts`, llama.cpp's default) and off; tierlab `bench decode`
+   (`use_extra_bufts`, llama.cpp's default) and off, each with flash
+   attention off (llama-cpp-python's default) and on (`--flash-attn off`
+   leaves the second half out); tierlab `bench decode`
    (warm slots, its default thread pool) as shipped and with
    `OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=infinite`;
 3. tables of medians: decode tok/s (a 16-token prompt, then 128 greedy
@@ -100,16 +102,23 @@ class Setting:
     name: str
     env: tuple = ()
     repack: bool = True
+    flash_attn: bool = False
 
     def env_args(self) -> list[str]:
         return [f"{k}={v}" for k, v in self.env]
 
 
-LLAMA_SETTINGS = [
-    Setting("llama.cpp", f"{wait or 'OMP default'}, repack {'on' if repack else 'off'}",
-            (("OMP_WAIT_POLICY", wait),) if wait else (), repack)
-    for wait in ("", "ACTIVE", "PASSIVE") for repack in (True, False)
-]
+def llama_settings(flash: str) -> list[Setting]:
+    """The llama.cpp settings a run tries, its default first: every OMP_WAIT_POLICY, repacking on
+    and off, and (`flash` "both") flash attention off, llama-cpp-python's default, and on
+    (`flash_attn=True`; llama.cpp's own default is "auto", which llama-cpp-python overrides)."""
+    return [Setting("llama.cpp", f"{wait or 'OMP default'}, repack {'on' if repack else 'off'}"
+                    + (", flash attention" if flash_attn else ""),
+                    (("OMP_WAIT_POLICY", wait),) if wait else (), repack, flash_attn)
+            for flash_attn in ((False, True) if flash == "both" else (False,))
+            for wait in ("", "ACTIVE", "PASSIVE") for repack in (True, False)]
+
+
 TIERLAB_SETTINGS = [
     Setting("tierlab", "default"),
     Setting("tierlab", "OMP ACTIVE, spin infinite", (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "infinite"))),
@@ -286,7 +295,8 @@ def open_llama(args: argparse.Namespace):
     llama_cpp.llama.llama_cpp.llama_model_default_params = model_defaults
     longest = max([args.prompt_tokens] + args.prefill)
     return Llama(model_path=str(args.gguf), n_threads=args.threads, n_threads_batch=args.threads,
-                 n_ctx=longest + args.tokens + 16, n_batch=longest, use_mmap=True, verbose=False)
+                 n_ctx=longest + args.tokens + 16, n_batch=longest, use_mmap=True, flash_attn=bool(args.flash_attn),
+                 verbose=False)
 
 
 def timed_prefill(llm, args: argparse.Namespace, n: int) -> float:
@@ -322,7 +332,7 @@ def cmd_llama(args: argparse.Namespace) -> None:
         done += 1
     decode_s = time.perf_counter() - t0
     print(json.dumps({"decode_tok_s": done / decode_s, "decode_tokens": done, "prefill_tok_s": prefill,
-                      "extra_bufts": bool(llm.model_params.use_extra_bufts),
+                      "extra_bufts": bool(llm.model_params.use_extra_bufts), "flash_attn": bool(args.flash_attn),
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}))
 
 
@@ -411,7 +421,8 @@ def tierlab_cell(a: argparse.Namespace, s: Setting, model: Path) -> dict:
 def llama_cell(a: argparse.Namespace, s: Setting, gguf_path: Path) -> dict:
     cmd = [sys.executable, str(HERE), "_llama", "--gguf", str(gguf_path), "--tokens", str(a.tokens),
            "--prompt-tokens", str(a.prompt_tokens), "--threads", str(a.threads), "--vocab", str(a.vocab),
-           "--extra-bufts", str(int(s.repack)), "--max-decode-s", str(a.max_decode_s),
+           "--extra-bufts", str(int(s.repack)), "--flash-attn", str(int(s.flash_attn)),
+           "--max-decode-s", str(a.max_decode_s),
            "--prefill", *map(str, a.prefill_tokens)]
     # "env -u" so that a wait policy set in the caller's shell does not leak into the default cells
     return run_json(["env", "-u", "OMP_WAIT_POLICY", "-u", "GOMP_SPINCOUNT", *s.env_args(), *cmd], a.cell_timeout)
@@ -444,7 +455,8 @@ def measure_round(a: argparse.Namespace, rnd: int, key: str, paths: dict, cells:
     row = ROWS[key]
     tpath, gpath = paths[row.tierlab_model], paths[row.gguf]
     warm_files(tpath, gpath)
-    order = [s for pair in zip(LLAMA_SETTINGS, TIERLAB_SETTINGS + [None] * len(LLAMA_SETTINGS)) for s in pair if s]
+    llama = a.llama_settings
+    order = [s for pair in zip(llama, TIERLAB_SETTINGS + [None] * len(llama)) for s in pair if s]
     shift = rnd % len(order)
     for s in order[shift:] + order[:shift]:
         try:
@@ -466,13 +478,13 @@ def share(tok_s: float, nbytes: int, bw: float) -> str:
     return f"{100 * tok_s * nbytes / (bw * 1e9):.0f}%"
 
 
-def decode_line(row: Row, c: Cells, gguf_bytes: int) -> str:
+def decode_line(row: Row, c: Cells, gguf_bytes: int, llama: list[Setting]) -> str:
     tr = c.tierlab_runs()
-    if not tr or not any(c.runs.get(s) for s in LLAMA_SETTINGS):
+    if not tr or not any(c.runs.get(s) for s in llama):
         return f"| {row.label} | (no complete measurement) ||||||"
     bw, tb = med([r["bandwidth_gbs"] for r in tr]), tr[0]["bytes_per_token"]
-    ld, td = LLAMA_SETTINGS[0], TIERLAB_SETTINGS[0]
-    lb, tbest = c.best(LLAMA_SETTINGS, c.decode), c.best(TIERLAB_SETTINGS, c.decode)
+    ld, td = llama[0], TIERLAB_SETTINGS[0]
+    lb, tbest = c.best(llama, c.decode), c.best(TIERLAB_SETTINGS, c.decode)
     return (f"| {row.label} | {c.decode(ld):.1f} ({share(c.decode(ld), gguf_bytes, bw)}) "
             f"| {c.decode(lb):.1f} ({share(c.decode(lb), gguf_bytes, bw)}; {lb.name}) "
             f"| {c.decode(td):.1f} ({share(c.decode(td), tb, bw)}) "
@@ -481,11 +493,11 @@ def decode_line(row: Row, c: Cells, gguf_bytes: int) -> str:
             f"| {tb / 2**20:.0f} / {gguf_bytes / 2**20:.0f} | {bw:.1f} |")
 
 
-def prefill_line(row: Row, c: Cells, n: int) -> str:
-    if not c.tierlab_runs() or not any(c.runs.get(s) for s in LLAMA_SETTINGS):
+def prefill_line(row: Row, c: Cells, n: int, llama: list[Setting]) -> str:
+    if not c.tierlab_runs() or not any(c.runs.get(s) for s in llama):
         return f"| {row.label} | (no complete measurement) |||||"
-    ld, td = LLAMA_SETTINGS[0], TIERLAB_SETTINGS[0]
-    lb = c.best(LLAMA_SETTINGS, lambda s: c.prefill(s, n))
+    ld, td = llama[0], TIERLAB_SETTINGS[0]
+    lb = c.best(llama, lambda s: c.prefill(s, n))
     tbest = c.best(TIERLAB_SETTINGS, lambda s: c.prefill(s, n))
     return (f"| {row.label} | {c.prefill(ld, n):.0f} | {c.prefill(lb, n):.0f} ({lb.name}) | {c.prefill(td, n):.0f} "
             f"| {c.prefill(tbest, n):.0f} ({tbest.name}) | **{c.prefill(td, n) / c.prefill(ld, n):.2f}x** "
@@ -494,7 +506,7 @@ def prefill_line(row: Row, c: Cells, n: int) -> str:
 
 def settings_lines(a: argparse.Namespace, rows: list[str], cells: dict) -> list[str]:
     """Every setting's medians, decode and prefill, with the number of runs behind them."""
-    settings = TIERLAB_SETTINGS + LLAMA_SETTINGS
+    settings = TIERLAB_SETTINGS + a.llama_settings
     cols = [f"{s.engine}: {s.name}" for s in settings]
     out = ["| row | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for key in rows:
@@ -519,21 +531,21 @@ def print_report(a: argparse.Namespace, rows: list[str], cells: dict, gbytes: di
     print(f"command: {shlex.join([sys.executable] + sys.argv)}")
     print(f"slice: {a.layers} layers x {a.experts} experts, vocab {a.vocab}; {a.rounds} rounds of fresh "
           f"processes per cell, interleaved; medians. llama.cpp settings tried: "
-          + "; ".join(s.name for s in LLAMA_SETTINGS) + ". tierlab settings tried: "
+          + "; ".join(s.name for s in a.llama_settings) + ". tierlab settings tried: "
           + "; ".join(s.name for s in TIERLAB_SETTINGS) + ".\n")
     print(f"Decode tok/s ({a.prompt_tokens}-token prompt, {a.tokens} greedy tokens; % of roofline)\n")
     print("| row | llama.cpp default | llama.cpp best | tierlab default | tierlab best | defaults ratio "
           "| best ratio | MiB/token tierlab / llama.cpp | bandwidth GB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for key in rows:
-        print(decode_line(ROWS[key], cells[key], gbytes[key]))
+        print(decode_line(ROWS[key], cells[key], gbytes[key], a.llama_settings))
     for n in a.prefill_tokens:
         print(f"\nPrefill tok/s ({n}-token prompt)\n")
         print("| row | llama.cpp default | llama.cpp best | tierlab default | tierlab best | defaults ratio "
               "| best ratio |")
         print("|---|---|---|---|---|---|---|")
         for key in rows:
-            print(prefill_line(ROWS[key], cells[key], n))
+            print(prefill_line(ROWS[key], cells[key], n, a.llama_settings))
     pre = " / ".join(str(n) for n in a.prefill_tokens)
     print(f"\nEvery setting: decode; prefill {pre} tok/s (medians)\n")
     print("\n".join(settings_lines(a, rows, cells)))
@@ -565,6 +577,7 @@ def parse_args() -> argparse.Namespace:
     ll.add_argument("--vocab", type=int, default=0)
     ll.add_argument("--seed", type=int, default=0)
     ll.add_argument("--extra-bufts", type=int, default=1, help="llama.cpp's extra buffer types (repacking)")
+    ll.add_argument("--flash-attn", type=int, default=0, help="llama.cpp's flash attention (llama-cpp-python: off)")
     ll.add_argument("--max-decode-s", type=float, default=60.0)
     p.add_argument("--work", default="/work/big/sbs", help="folder for the slice and conversions (outside the repo)")
     p.add_argument("--llama-src", default=f"/work/llama-src/llama_cpp_python-{LLAMA_VERSION}",
@@ -586,12 +599,15 @@ def parse_args() -> argparse.Namespace:
                    help="llama.cpp stops decoding after this long (at least 8 tokens): spinning OpenMP waits on a "
                         "busy machine can take seconds per token")
     p.add_argument("--cell-timeout", type=float, default=400.0, help="seconds before one process counts as failed")
+    p.add_argument("--flash-attn", choices=("both", "off"), default="both",
+                   help="llama.cpp with flash attention off (llama-cpp-python's default) and on, or off only")
     p.add_argument("--json-out", default="", help="write every raw measurement here")
     return p.parse_args()
 
 
 def main() -> None:
     a = parse_args()
+    a.llama_settings = llama_settings(getattr(a, "flash_attn", "both")) if not a.cmd else []
     if a.cmd:
         return {"build": cmd_build, "_gguf": cmd_gguf, "_llama": cmd_llama}[a.cmd](a)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
