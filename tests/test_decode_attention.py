@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from test_attention_kernel import _reference
-from tierlab.engine.kernels.decode_attention import KEY_BLOCKS_PER_TASK, KEYS_PER_PIECE, attention_decode
-from tierlab.engine.kernels.prompt_attention import attention_tiles
+from tierlab.engine.kernels.decode_attention import KEY_BLOCKS_PER_TASK, attention_decode
+from tierlab.engine.kernels.prompt_attention import KEYS_PER_PIECE, TOKENS_PER_TASK, attention_tiles
 
 LONG = 4 * KEY_BLOCKS_PER_TASK + KEYS_PER_PIECE + 3  # several scores tasks and value pieces, a ragged end
 
@@ -83,3 +83,16 @@ def test_keys_past_the_position_change_nothing():
     second = np.empty(q.shape[1:], dtype=np.float32)
     attention_decode(query, k, v, 9, second, 2)
     assert np.array_equal(first, second)
+
+
+def test_a_prompt_cut_across_its_token_blocks_keeps_its_bits():
+    """The tiles take TOKENS_PER_TASK tokens a work item: a prompt cut inside a block (its tokens
+    now in other items, beside other tokens) gives every token the same bits as in one launch."""
+    q, k, v = _case(np.random.default_rng(13), 3 * TOKENS_PER_TASK + 2, 16, 2, 256, 3 * TOKENS_PER_TASK + 2)
+    whole = np.empty(q.shape, dtype=np.float32)
+    attention_tiles(q, k, v, 0, whole)
+    cut = TOKENS_PER_TASK + 1
+    parts = np.empty(q.shape, dtype=np.float32)
+    attention_tiles(np.ascontiguousarray(q[:cut]), k, v, 0, parts[:cut])
+    attention_tiles(np.ascontiguousarray(q[cut:]), k, v, cut, parts[cut:])
+    assert np.array_equal(whole, parts)

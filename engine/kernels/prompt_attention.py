@@ -1,21 +1,28 @@
-"""A prompt's causal attention in tiles: four query heads against four keys a pass.
+"""Causal attention in tiles: four query heads against four keys a pass, a key read once for
+several tokens and heads; the operations a prompt's and a decoded token's attention share.
 
 Why: the token-by-token kernel (`dense.attention`) dots one query head with one
 key at a time and sums each dot across its 16 lanes, and adds each weighted
-value row into the output in memory: about a quarter of the FMA peak (2.7 ms
-for one 16-head layer at 128 tokens, 42 ms at 512). Here the heads that share
-a key/value head go four at a time: their scores come from the matrix
-kernels' pass of four rows by four tokens (`qmatmat._dot4x4_into`, the keys
-as its rows and the heads as its tokens: one tree of shuffles for sixteen
-sums), and their weighted sum of the value rows keeps four heads by 64
-columns in registers across all keys (`_weighted_rows_into`): every value
-vector loaded once feeds four FMAs.
+value row into the output in memory: about a quarter of the FMA peak. Here the
+heads that share a key/value head go four at a time: their scores come from the
+matrix kernels' pass of four rows by four tokens (`qmatmat._dot4x4_into`, the
+keys as its rows and the heads as its tokens: one tree of shuffles for sixteen
+sums), and their weighted sum of the value rows keeps four heads by 64 columns
+in registers across a piece of keys (`_weighted_range4`): every value vector
+loaded once feeds four FMAs. A prompt's work item is one key/value head and a
+block of TOKENS_PER_TASK consecutive tokens: each block of four keys is dotted
+with all of their heads while it sits in L1, and each piece of value rows is
+used by all of them while it sits in L2, so that a long prompt reads its cache
+from L3 once per block of tokens instead of once per token and head block.
 
-A token's output depends only on its query, its position and the cache, not
-on how the prompt was cut or on which tokens share a launch. It is not bit for
-bit what decode computes (different sums), so PREFILL_EXACT keeps the
-token-by-token kernel; both are within float32 rounding of each other
-(tests/test_prompt_attention.py) and of transformers (the oracle tests).
+A token's output depends only on its query, its position and the cache, not on
+how the prompt was cut, on which tokens share a work item or on the thread
+count: each (head, key) score is the same pass, each softmax the same function
+of its row, each output element one chain of FMAs over the keys in order. So
+decode (`decode_attention`, which splits a token's work across the threads in
+other ways) gets the bits a prompt's token gets; both within float32 rounding
+of the token-by-token kernel (tests/test_prompt_attention.py) and of
+transformers (the oracle tests).
 """
 
 from __future__ import annotations
@@ -28,28 +35,35 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from tierlab.engine.kernels.fastexp import FAST_EXACT, exp_f32
-from tierlab.engine.kernels.qmatmat import _dot4x1_into, _dot4x2_into_lanes, _dot4x3_into, _dot4x4_into, _f32_matrix
+from tierlab.engine.kernels.qmatmat import _dot4xn, _f32_matrix, _prefetch_lines
 from tierlab.engine.kernels.qmatvec import _fma, _I64, _V16F, _counted_loop, _load_vec, _prefetch, _splat
 
 _F32 = ir.FloatType()
 
+STRIPE = 64
+"""Columns of the value rows a weighted sum carries in registers (`_weighted_range4`'s width)."""
 
-def _weighted_rows_codegen(chunks, ranged=False, ahead=0):
-    """Codegen of acc[s, c0:c0 + 16 * chunks] = sum_j p[s, j] * v[j, c0:c0 + 16 * chunks] for the
-    four heads s, keys j = 0..n-1 in order: 4 * chunks 16-lane sums carried across the keys.
+KEYS_PER_PIECE = 64
+"""Keys of the value rows that every stripe, token and head block takes in turn (64 KiB at
+head_dim 256: in L2), so that a value row is read from memory once for all of them."""
 
-    `ranged` (decode's passes over a long cache): the arguments are (p, v, j0, j1, c0, acc) and
-    the sums go on from acc's values over keys j0..j1-1, so that pieces taken in order give
-    the one chain of FMAs a single pass gives; else (p, v, n, c0, acc), from zero. With
-    `ahead`, each key's step also prefetches the same columns of the value row `ahead` keys
-    on (at most v's last row)."""
+KEY_ROWS_AHEAD = 16
+VALUE_ROWS_AHEAD = 32
+"""How far ahead the passes prefetch the cache's rows (into L2, as the matvecs do): without it
+the keys' pass read a 4096-position cache 25% slower; of 8, 16 and 32 rows ahead for keys and
+16 or 32 for values, these were best (docs/benchmarks.md, "Decode attention")."""
+
+
+def _weighted_range_codegen(chunks):
+    """Codegen of acc[s, c0:c0 + 16 * chunks] += sum_j p[s, j] * v[j, c0:c0 + 16 * chunks] for the
+    four heads s, keys j = j0..j1-1 in order, arguments (p, v, j0, j1, c0, acc): 4 * chunks
+    16-lane sums carried across the keys from acc's values, so that pieces of keys taken in
+    order give one chain of FMAs. Each key's step also prefetches the same columns of the
+    value row VALUE_ROWS_AHEAD keys on (at most v's last row)."""
 
     def codegen(context, builder, signature, args):
-        count = 6 if ranged else 5
-        p_arr, v_arr, acc_arr = (context.make_array(signature.args[i])(context, builder, args[i])
-                                 for i in (0, 1, count - 1))
-        ints = [context.cast(builder, args[i], signature.args[i], types.int64) for i in range(2, count - 1)]
-        j0, j1, c0 = ints if ranged else (ir.Constant(_I64, 0), *ints)
+        p_arr, v_arr, acc_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 5))
+        j0, j1, c0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 4))
 
         def row(arr, r):
             start = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()),
@@ -64,11 +78,10 @@ def _weighted_rows_codegen(chunks, ranged=False, ahead=0):
 
         def body(i, accs):
             j = builder.add(j0, i)
-            if ahead:
-                later = builder.add(j, ir.Constant(_I64, ahead))
-                later_row = row(v_arr, builder.select(builder.icmp_signed("<", later, last), later, last))
-                for c in range(chunks):
-                    _prefetch(builder, later_row, builder.mul(columns(c), ir.Constant(_I64, 4)))
+            later = builder.add(j, ir.Constant(_I64, VALUE_ROWS_AHEAD))
+            later_row = row(v_arr, builder.select(builder.icmp_signed("<", later, last), later, last))
+            for c in range(chunks):
+                _prefetch(builder, later_row, builder.mul(columns(c), ir.Constant(_I64, 4)))
             v_row = row(v_arr, j)
             vv = [_load_vec(builder, v_row, columns(c), _V16F, 4) for c in range(chunks)]
             out = []
@@ -80,10 +93,7 @@ def _weighted_rows_codegen(chunks, ranged=False, ahead=0):
         def acc_vector(s, c):
             return builder.bitcast(builder.gep(row(acc_arr, ir.Constant(_I64, s)), [columns(c)]), _V16F.as_pointer())
 
-        if ranged:
-            start = [builder.load(acc_vector(s, c), align=4) for s in range(4) for c in range(chunks)]
-        else:
-            start = [ir.Constant(_V16F, [0.0] * 16)] * (4 * chunks)
+        start = [builder.load(acc_vector(s, c), align=4) for s in range(4) for c in range(chunks)]
         accs = _counted_loop(builder, builder.sub(j1, j0), start, body)
         for s in range(4):
             for c in range(chunks):
@@ -93,78 +103,86 @@ def _weighted_rows_codegen(chunks, ranged=False, ahead=0):
     return codegen
 
 
-def _weighted_rows(chunks, p, v, n, c0, acc):
+def _weighted_range(chunks, p, v, j0, j1, c0, acc):
     if not (_f32_matrix(p) and _f32_matrix(v) and _f32_matrix(acc)):
         return None
-    return types.none(p, v, n, c0, acc), _weighted_rows_codegen(chunks)
+    return types.none(p, v, j0, j1, c0, acc), _weighted_range_codegen(chunks)
 
 
 @intrinsic
-def _weighted_rows4(typingctx, p, v, n, c0, acc):
-    """acc[s, c0:c0+64] = sum over keys j < n of p[s, j] * v[j, c0:c0+64], s = 0..3."""
-    return _weighted_rows(4, p, v, n, c0, acc)
+def _weighted_range4(typingctx, p, v, j0, j1, c0, acc):
+    """acc[s, c0:c0+64] += p[s, j] * v[j, c0:c0+64] for keys j = j0..j1-1 in order, s = 0..3."""
+    return _weighted_range(4, p, v, j0, j1, c0, acc)
 
 
 @intrinsic
-def _weighted_rows3(typingctx, p, v, n, c0, acc):
-    """`_weighted_rows4` for 48 columns."""
-    return _weighted_rows(3, p, v, n, c0, acc)
+def _weighted_range3(typingctx, p, v, j0, j1, c0, acc):
+    """`_weighted_range4` for 48 columns."""
+    return _weighted_range(3, p, v, j0, j1, c0, acc)
 
 
 @intrinsic
-def _weighted_rows2(typingctx, p, v, n, c0, acc):
-    """`_weighted_rows4` for 32 columns."""
-    return _weighted_rows(2, p, v, n, c0, acc)
+def _weighted_range2(typingctx, p, v, j0, j1, c0, acc):
+    """`_weighted_range4` for 32 columns."""
+    return _weighted_range(2, p, v, j0, j1, c0, acc)
 
 
 @intrinsic
-def _weighted_rows1(typingctx, p, v, n, c0, acc):
-    """`_weighted_rows4` for 16 columns."""
-    return _weighted_rows(1, p, v, n, c0, acc)
+def _weighted_range1(typingctx, p, v, j0, j1, c0, acc):
+    """`_weighted_range4` for 16 columns."""
+    return _weighted_range(1, p, v, j0, j1, c0, acc)
 
 
-_OPTS = dict(nogil=True, cache=True, fastmath=True)
+@intrinsic
+def _keys_by_4_heads(typingctx, keys, r0, q, ha, hb, hc, hd, acc, at):
+    """acc[at + s, k] += key r0+k of keys . head h_s of q, s = 0..3: `qmatmat._dot4x4_into` on rows
+    r0..r0+3 of the whole key matrix (the same sums)."""
+    return _dot4xn(4, keys, q, acc, (keys, r0, q, ha, hb, hc, hd, acc, at), first_row=True)
 
 
-@njit(**_OPTS)
-def _weighted_rows_into(p, v, n, acc):
-    """acc [4, d] = p [4, >= n] times v's rows 0..n-1, 64 columns a pass (d a multiple of 16)."""
-    d = acc.shape[1]
-    for c0 in range(0, d, 64):
-        left = d - c0
-        if left >= 64:
-            _weighted_rows4(p, v, n, c0, acc)
-        elif left == 48:
-            _weighted_rows3(p, v, n, c0, acc)
-        elif left == 32:
-            _weighted_rows2(p, v, n, c0, acc)
-        else:
-            _weighted_rows1(p, v, n, c0, acc)
+@intrinsic
+def _keys_by_3_heads(typingctx, keys, r0, q, ha, hb, hc, acc, at):
+    """`_keys_by_4_heads` for three heads (`_dot4x3_into`)."""
+    return _dot4xn(3, keys, q, acc, (keys, r0, q, ha, hb, hc, acc, at), first_row=True)
 
 
-@njit(**_OPTS)
-def _scores_into(keys, pad, qt, h0, heads, length, scores):
-    """scores[b, s, k] = head h0+s of qt [Hq, d] . key 4b+k of keys [maxT, d], for keys < length
-    rounded up to four (a block past the cache's rows is read from `pad`, zeros past its end)."""
-    scores[:(length + 3) // 4] = 0.0  # the passes add into it; blocks past length go unread
-    rows = keys.shape[0]
-    for b in range((length + 3) // 4):
-        j = 4 * b
-        if j + 4 <= rows:
-            block = keys[j:j + 4]
-        else:
-            pad[:] = 0.0
-            pad[:rows - j] = keys[j:rows]
-            block = pad
-        acc = scores[b]
-        if heads >= 4:
-            _dot4x4_into(block, qt, h0, h0 + 1, h0 + 2, h0 + 3, acc, 0)
-        elif heads == 3:
-            _dot4x3_into(block, qt, h0, h0 + 1, h0 + 2, acc, 0)
-        elif heads == 2:
-            _dot4x2_into_lanes(block, qt, h0, h0 + 1, acc, 0)
-        else:
-            _dot4x1_into(block, qt, h0, acc, 0)
+@intrinsic
+def _keys_by_2_heads(typingctx, keys, r0, q, ha, hb, acc, at):
+    """`_keys_by_4_heads` for two heads (`_dot4x2_into_lanes`)."""
+    return _dot4xn(2, keys, q, acc, (keys, r0, q, ha, hb, acc, at), first_row=True)
+
+
+@intrinsic
+def _keys_by_1_head(typingctx, keys, r0, q, ha, acc, at):
+    """`_keys_by_4_heads` for one head (`_dot4x1_into`)."""
+    return _dot4xn(1, keys, q, acc, (keys, r0, q, ha, acc, at), first_row=True)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _score_block(keys, r0, q, h0, heads, acc, at):
+    """acc[at + s, k] += head h0+s of q . key r0+k of keys, for a head block's s < heads."""
+    if heads >= 4:
+        _keys_by_4_heads(keys, r0, q, h0, h0 + 1, h0 + 2, h0 + 3, acc, at)
+    elif heads == 3:
+        _keys_by_3_heads(keys, r0, q, h0, h0 + 1, h0 + 2, acc, at)
+    elif heads == 2:
+        _keys_by_2_heads(keys, r0, q, h0, h0 + 1, acc, at)
+    else:
+        _keys_by_1_head(keys, r0, q, h0, acc, at)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _weighted_stripe(probs, values, j0, j1, c0, acc):
+    """acc[:, c0:c0 + w] += probs [4, >= j1] times the value rows j0..j1-1, w = min(64, d - c0)."""
+    left = acc.shape[1] - c0
+    if left >= 64:
+        _weighted_range4(probs, values, j0, j1, c0, acc)
+    elif left == 48:
+        _weighted_range3(probs, values, j0, j1, c0, acc)
+    elif left == 32:
+        _weighted_range2(probs, values, j0, j1, c0, acc)
+    else:
+        _weighted_range1(probs, values, j0, j1, c0, acc)
 
 
 @njit(nogil=True, cache=True, fastmath=FAST_EXACT, error_model="numpy")
@@ -195,42 +213,104 @@ def _softmax_rows(scores, heads, length, scale, probs):
             probs[s, j] *= inv
 
 
+TOKENS_PER_TASK = 4
+"""Consecutive tokens in a prompt's work item: each key and value row read from L3 once for the
+item's 4 x (query heads of its key/value head) rows, against once per token and block of four
+heads before (docs/benchmarks.md, "A long prompt's attention")."""
+
+_OPTS = dict(nogil=True, cache=True, fastmath=True)
+
+
 @njit(**_OPTS)
-def _attend_heads(q, k_cache, v_cache, t, pos, kvh, h0, heads, scale, scores, probs, pad, acc, out):
-    """Output of heads h0..h0+heads-1 (all reading key/value head kvh) for token t at position pos."""
-    length = pos + 1
-    _scores_into(k_cache[kvh], pad, q[t], h0, heads, length, scores)
-    _softmax_rows(scores, heads, length, scale, probs)
-    _weighted_rows_into(probs, v_cache[kvh], length, acc)
-    for s in range(heads):
-        for i in range(acc.shape[1]):
-            out[t, h0 + s, i] = acc[s, i]
+def _scores_of_keys(q, t0, t1, start, keys, kvh, group, per_kv, first, end, scores, base, pad):
+    """scores[i, base + hb][4b + s, k] += head s of head block hb (of key/value head kvh) of token
+    t0 + i of q [T, Hq, d] . key 4b + k, for key blocks first..end-1 that reach no further than
+    the token's position (start + t0 + i); each block of keys dotted with every token's head
+    blocks while it sits in L1, the rows KEY_ROWS_AHEAD on prefetched. pad [4, d]: zeros, for the
+    cache's last rows when its last block of four runs past them."""
+    rows, d = keys.shape
+    for b in range(first, end):
+        j = 4 * b
+        block, r0 = keys, j
+        if j + 4 > rows:
+            pad[:rows - j] = keys[j:rows]
+            block, r0 = pad, 0
+        elif j + KEY_ROWS_AHEAD + 4 <= rows:
+            _prefetch_lines(keys, j + KEY_ROWS_AHEAD, 4, 0, 4 * d // 16)
+        for i in range(t1 - t0):
+            if j > start + t0 + i:
+                continue
+            for hb in range(per_kv):
+                h0 = kvh * group + 4 * hb
+                _score_block(block, r0, q[t0 + i], h0, min(4, kvh * group + group - h0), scores[i, base + hb], j)
+
+
+@njit(**_OPTS)
+def _softmax_of(scores, i, blk, group, per_kv, length, scale, probs):
+    """Token i's probabilities for head block blk (global: key/value head blk // per_kv) from its scores."""
+    h0 = (blk // per_kv) * group + 4 * (blk % per_kv)
+    heads = min(4, (blk // per_kv) * group + group - h0)
+    _softmax_rows(scores[i, blk].reshape((scores.shape[2] // 4, 4, 4)), heads, length, scale, probs[i, blk])
+
+
+@njit(**_OPTS)
+def _weighted_values(probs, values, t0, t1, start, kvh, group, per_kv, base, first, end, out):
+    """out[t0 + i, head, c] for key/value head kvh's query heads, tokens t0..t1-1 and the columns
+    of stripes first..end-1: a piece of KEYS_PER_PIECE keys at a time through every stripe,
+    token and head block (the piece's value rows read from memory once); probs[i, base + hb]."""
+    d = values.shape[1]
+    n = t1 - t0
+    acc = np.zeros((n, per_kv, 4, d), dtype=np.float32)
+    for j0 in range(0, start + t1, KEYS_PER_PIECE):
+        for stripe in range(first, end):
+            for i in range(n):
+                j1 = min(start + t0 + i + 1, j0 + KEYS_PER_PIECE)
+                for hb in range(per_kv):
+                    if j1 > j0:
+                        _weighted_stripe(probs[i, base + hb], values, j0, j1, stripe * STRIPE, acc[i, hb])
+    for i in range(n):
+        for hb in range(per_kv):
+            h0 = kvh * group + 4 * hb
+            for s in range(min(4, kvh * group + group - h0)):
+                for c in range(first * STRIPE, min(d, end * STRIPE)):
+                    out[t0 + i, h0 + s, c] = acc[i, hb, s, c]
+
+
+@njit(**_OPTS)
+def _attend_tokens(q, t0, t1, start, k_cache, v_cache, kvh, group, per_kv, scale, out):
+    """Tokens t0..t1-1 of q [T, Hq, d] at positions start + t, all query heads of key/value head kvh."""
+    d = q.shape[2]
+    n = t1 - t0
+    key_blocks = (start + t1 + 3) // 4
+    scores = np.zeros((n, per_kv, 4 * key_blocks, 4), dtype=np.float32)
+    pad = np.zeros((4, d), dtype=np.float32)
+    _scores_of_keys(q, t0, t1, start, k_cache[kvh], kvh, group, per_kv, 0, key_blocks, scores, 0, pad)
+    probs = np.empty((n, per_kv, 4, 4 * key_blocks), dtype=np.float32)
+    for i in range(n):
+        for hb in range(per_kv):
+            _softmax_of(scores, i, hb, group, per_kv, start + t0 + i + 1, scale, probs)
+    _weighted_values(probs, v_cache[kvh], t0, t1, start, kvh, group, per_kv, 0, 0, (d + STRIPE - 1) // STRIPE, out)
 
 
 @njit(**dict(_OPTS, parallel=True))
 def attention_tiles(q, k_cache, v_cache, start, out):
     """Causal GQA attention for T new tokens at positions start..start+T-1, as `dense.attention`
     (q [T, Hq, d]; k_cache, v_cache [Hkv, maxT, d] already holding the new tokens; out
-    [T, Hq, d]), head_dim a multiple of 16. Each step takes one block of up to four heads of one
-    key/value head for tokens t and T-1-t, so that every step has about the same keys to read."""
+    [T, Hq, d]), head_dim a multiple of 16. Each step takes one key/value head's query heads for
+    the blocks of TOKENS_PER_TASK tokens b and B-1-b, so that every step has about the same keys
+    to read."""
     t_count, n_heads, d = q.shape
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
     per_kv = (group + 3) // 4
     scale = np.float32(1.0 / math.sqrt(d))
-    half = (t_count + 1) // 2
-    longest = start + t_count
-    for step in prange(n_kv * per_kv * half):
-        blk = step // half
+    blocks = (t_count + TOKENS_PER_TASK - 1) // TOKENS_PER_TASK
+    half = (blocks + 1) // 2
+    for step in prange(n_kv * half):
+        kvh = step // half
         pair = step % half
-        kvh = blk // per_kv
-        h0 = kvh * group + 4 * (blk % per_kv)
-        heads = min(4, kvh * group + group - h0)
-        scores = np.empty(((longest + 3) // 4, 4, 4), dtype=np.float32)
-        probs = np.empty((4, (longest + 3) // 4 * 4), dtype=np.float32)
-        pad = np.empty((4, d), dtype=np.float32)
-        acc = np.empty((4, d), dtype=np.float32)
-        _attend_heads(q, k_cache, v_cache, pair, start + pair, kvh, h0, heads, scale, scores, probs, pad, acc, out)
-        other = t_count - 1 - pair
-        if other != pair:
-            _attend_heads(q, k_cache, v_cache, other, start + other, kvh, h0, heads, scale, scores, probs, pad, acc, out)
+        for blk in (pair, blocks - 1 - pair):
+            if blk == pair or blk != blocks - 1 - blk:
+                t0 = blk * TOKENS_PER_TASK
+                _attend_tokens(q, t0, min(t_count, t0 + TOKENS_PER_TASK), start, k_cache, v_cache, kvh, group, per_kv,
+                               scale, out)
