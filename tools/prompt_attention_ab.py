@@ -4,7 +4,8 @@
 Why: the tiled prompt attention (`prompt_attention.attention_tiles`) is a few percent of
 a prefill, less than the spread between fresh processes on a shared VM; in one process,
 with the two kernels alternating prompt by prompt (the order flipped each round), the
-machine's drift hits both alike. Token by token is what PREFILL_EXACT runs.
+machine's drift hits both alike. Token by token is what head dims that are not a multiple
+of 16 take (and PREFILL_EXACT did before 2026-12-07, when decode took the tiles' arithmetic).
 
     .venv/bin/python tools/prompt_attention_ab.py --model DIR [--rounds 6] [--lengths 128,512]
 """

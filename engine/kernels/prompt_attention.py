@@ -215,8 +215,9 @@ def _softmax_rows(scores, heads, length, scale, probs):
 
 TOKENS_PER_TASK = 4
 """Consecutive tokens in a prompt's work item: each key and value row read from L3 once for the
-item's 4 x (query heads of its key/value head) rows, against once per token and block of four
-heads before (docs/benchmarks.md, "A long prompt's attention")."""
+item's 4 x (query heads of its key/value head) rows, not once per token and block of four heads
+as before; level in speed, the passes being mostly FMA-bound (docs/benchmarks.md, "Decode
+attention"), but one work item serves prompts and decode alike."""
 
 _OPTS = dict(nogil=True, cache=True, fastmath=True)
 
@@ -309,8 +310,11 @@ def attention_tiles(q, k_cache, v_cache, start, out):
     for step in prange(n_kv * half):
         kvh = step // half
         pair = step % half
-        for blk in (pair, blocks - 1 - pair):
-            if blk == pair or blk != blocks - 1 - blk:
-                t0 = blk * TOKENS_PER_TASK
-                _attend_tokens(q, t0, min(t_count, t0 + TOKENS_PER_TASK), start, k_cache, v_cache, kvh, group, per_kv,
-                               scale, out)
+        t0 = pair * TOKENS_PER_TASK
+        _attend_tokens(q, t0, min(t_count, t0 + TOKENS_PER_TASK), start, k_cache, v_cache, kvh, group, per_kv, scale,
+                       out)
+        other = blocks - 1 - pair
+        if other != pair:
+            t0 = other * TOKENS_PER_TASK
+            _attend_tokens(q, t0, min(t_count, t0 + TOKENS_PER_TASK), start, k_cache, v_cache, kvh, group, per_kv,
+                           scale, out)
