@@ -11,8 +11,10 @@ is what cache-aware routing studies.
 
 A `QuantMatrix` stands where a weight array stood; `linear()` in
 kernels/dense.py dispatches on it. One token uses the int8/int4 matvec; a
-prompt uses the matrix-matrix kernels of kernels/qmatmat.py, which widen each
-row once for all its tokens, so the weights are read once per prompt.
+prompt uses the matrix-matrix kernels: int4 on a VNNI CPU the integer tiles
+of kernels/dense_vnni.py, otherwise kernels/qmatmat.py, which widens each row
+once for all its tokens; either way the weights are read once per block of
+tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 
 from tierlab.engine import hugepages
 from tierlab.engine.blob_layout import GROUP, quant_kind
-from tierlab.engine.kernels import qmatvec
+from tierlab.engine.kernels import dense_vnni, qmatvec
 from tierlab.engine.kernels.qmatmat import dequantize_rows, matmat
 from tierlab.engine.quant import pack_weights, quantize_fast
 
@@ -86,6 +88,10 @@ def qlinear(m: QuantMatrix, x: np.ndarray) -> np.ndarray:
         matvec = qmatvec.matvec_int8 if m.bits == 8 else qmatvec.matvec_int4
         matvec(m.q, m.scales, np.ascontiguousarray(x.reshape(-1), dtype=np.float32), out)
         return out if x.ndim == 1 else out[None, :]
+    if m.bits == 4 and dense_vnni.usable(*m.shape):  # integer tiles, 16 rows to a vector
+        out = np.empty((x.shape[0], m.shape[0]), dtype=np.float32)
+        dense_vnni.matmat_int4(m.q, m.scales, np.ascontiguousarray(x, dtype=np.float32), out)
+        return out
     return matmat(m.kind, (m.q, m.scales), x)
 
 

@@ -37,7 +37,7 @@ from numba.extending import intrinsic, overload
 from tierlab.engine.kernels.experts_vnni import _step_item, _transpose16
 from tierlab.engine.kernels.fastexp import silu_f32
 from tierlab.engine.kernels.qmatmat import (_MARKERS, _deal_plan, _expert_matrices, _lines_per_pass, _prefetch_lines,
-                                            expert_batch)
+                                            expert_batch, token_blocks)
 from tierlab.engine.kernels.qmatvec import _I32, _I64, _V16F, _WIDE, _counted_loop, _load_vec, _row_start, _splat
 
 _OPTS = dict(nogil=True, cache=True, fastmath=True)
@@ -301,4 +301,5 @@ def matmat_tiles(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         raise ValueError(f"matmat_tiles needs x float32[T, {w.shape[1]}] (C order), got {x.dtype}{x.shape}")
     if out.shape != (x.shape[0], w.shape[0]) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"matmat_tiles needs out float32[{x.shape[0]}, {w.shape[0]}] (C order)")
-    _matmat_items(w, x, np.arange(x.shape[0], dtype=np.int64), out)
+    for t0, t1 in token_blocks(x.shape[0]):
+        _matmat_items(w, x[t0:t1], np.arange(t1 - t0, dtype=np.int64), out[t0:t1])
