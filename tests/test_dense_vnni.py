@@ -26,7 +26,8 @@ def _prompt(tokens: int, cols: int, rng) -> np.ndarray:
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows, cols, tokens", [(32, 128, 2), (96, 256, 13), (64, 384, 40), (160, 512, 300)])
+@pytest.mark.parametrize("rows, cols, tokens", [(32, 128, 2), (96, 256, 13), (64, 384, 40), (160, 512, 300),
+                                                   (33, 128, 5), (113, 256, 270)])
 def test_int4_tiles_match_float64_and_qlinear_takes_them(rows, cols, tokens, monkeypatch):
     rng = np.random.default_rng(rows + cols + tokens)
     m = quantize_matrix(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, 4)
@@ -60,7 +61,7 @@ def test_int4_tokens_do_not_depend_on_their_neighbours_or_the_blocks(monkeypatch
 
 
 def test_int4_refusals():
-    assert not DV.usable(48, 128) and not DV.usable(32, 192) and not DV.usable(0, 128)
+    assert not DV.usable(16, 128) and not DV.usable(32, 192) and not DV.usable(0, 128)
     if not DV.usable(32, 128):
         return
     m = quantize_matrix(np.zeros((32, 128), np.float32), 4)
@@ -68,9 +69,9 @@ def test_int4_refusals():
         DV.matmat_int4(m.q, m.scales, np.zeros((2, 64), np.float32), np.zeros((2, 32), np.float32))
     with pytest.raises(ValueError, match="out float32"):
         DV.matmat_int4(m.q, m.scales, np.zeros((2, 128), np.float32), np.zeros((2, 31), np.float32))
-    m48 = quantize_matrix(np.zeros((48, 128), np.float32), 4)
-    with pytest.raises(ValueError, match="whole 32-row"):
-        DV.matmat_int4(m48.q, m48.scales, np.zeros((2, 128), np.float32), np.zeros((2, 48), np.float32))
+    m16 = quantize_matrix(np.zeros((16, 128), np.float32), 4)
+    with pytest.raises(ValueError, match="32 rows or more"):
+        DV.matmat_int4(m16.q, m16.scales, np.zeros((2, 128), np.float32), np.zeros((2, 16), np.float32))
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
@@ -78,7 +79,7 @@ def test_token_blocks_change_no_bits(kind, monkeypatch):
     """Every prompt projection kernel, run in blocks of 4 tokens (the last of 1), gives the bits
     of one launch over all 13."""
     rng = np.random.default_rng(3)
-    w = rng.standard_normal((96, 256)).astype(np.float32) * 0.1
+    w = rng.standard_normal((97, 256)).astype(np.float32) * 0.1  # three whole items and a row
     x = _prompt(13, 256, rng)
     if kind == "bf16":
         bits = (w.view(np.uint32) >> 16).astype(np.uint16)

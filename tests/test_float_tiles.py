@@ -128,7 +128,8 @@ def test_an_experts_rows_do_not_depend_on_its_batch_its_pass_the_threads_or_the_
         np.testing.assert_array_equal(out, full)
 
 
-@pytest.mark.parametrize("rows, cols, tokens", [(32, 128, 1), (96, 256, 13), (64, 384, 40)])
+@pytest.mark.parametrize("rows, cols, tokens", [(32, 128, 1), (96, 256, 13), (64, 384, 40), (33, 128, 3),
+                                                   (1089, 256, 6)])
 def test_tiled_projection_matches_float64_and_linear_takes_it(rows, cols, tokens, monkeypatch):
     rng = np.random.default_rng(rows + cols)
     w = _bf16_bits(rng.standard_normal((rows, cols)) * 0.1)
@@ -152,10 +153,11 @@ def test_usable_bounds_and_refusals():
     assert not F.usable("int8", 2048, 512) and not F.usable("int4", 2048, 512)
     assert not F.usable("bf16", 2048, 64)  # the shipped models' experts keep the float path
     assert not F.usable("bf16", 192, 128)
-    assert F.usable_dense(12288, 2048) and not F.usable_dense(48, 2048) and not F.usable_dense(64, 2000)
-    w = np.zeros((48, 128), np.uint16)
-    with pytest.raises(ValueError, match="whole 32-row"):
-        F.matmat_tiles(w, np.zeros((2, 128), np.float32), np.zeros((2, 48), np.float32))
+    assert F.usable_dense(12288, 2048) and F.usable_dense(1089, 2048)  # a router block: tiles and a row
+    assert not F.usable_dense(16, 2048) and not F.usable_dense(64, 2000)
+    w = np.zeros((16, 128), np.uint16)
+    with pytest.raises(ValueError, match="32 rows or more"):
+        F.matmat_tiles(w, np.zeros((2, 128), np.float32), np.zeros((2, 16), np.float32))
     w = np.zeros((32, 128), np.uint16)
     with pytest.raises(ValueError, match="x float32"):
         F.matmat_tiles(w, np.zeros((2, 64), np.float32), np.zeros((2, 32), np.float32))

@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from tierlab.engine.kernels.experts_vnni import _BLOCK, _TILE, _TILES, _item_sums, prepared
-from tierlab.engine.kernels.qmatmat import token_blocks
+from tierlab.engine.kernels.qmatmat import matmat_quant, token_blocks
 from tierlab.engine.kernels.qmatvec import _VNNI
 
 _OPTS = dict(nogil=True, cache=True, fastmath=True)
@@ -37,14 +37,16 @@ _ITEM = _TILES * _TILE  # rows of a work item
 
 
 def usable(rows: int, cols: int) -> bool:
-    """True where this path runs: VNNI, whole 32-row items and whole 128-column blocks."""
-    return _VNNI and rows % _ITEM == 0 and cols % _BLOCK == 0 and rows > 0 and cols > 0
+    """True where this path runs: VNNI, whole 128-column blocks and at least one 32-row item
+    (the rows after the last whole item, such as a fused router block's shared-expert gate,
+    go to `qmatmat.matmat_quant`)."""
+    return _VNNI and rows >= _ITEM and cols % _BLOCK == 0 and cols > 0
 
 
 @njit(**dict(_OPTS, parallel=True))
 def _block_items(q, s, digits, corr, unit, tokens, t0, out):
-    """out[t0 + i, r] = row r of the int4 matrix (q, s) . the prepared token i, for every row,
-    work items of 32 rows; numba's prange gives each thread a contiguous share, so the rows it
+    """out[t0 + i, r] = row r of the int4 matrix (q, s) . the prepared token i, for the rows of
+    the whole 32-row work items; numba's prange gives each thread a contiguous share, so the rows it
     most likely takes next (the following item) are prefetched while it computes."""
     n_items = q.shape[0] // _ITEM
     n_tokens = tokens.shape[0]
@@ -65,13 +67,18 @@ def matmat_int4(q: np.ndarray, s: np.ndarray, x: np.ndarray, out: np.ndarray) ->
     rows, cols = q.shape[0], s.shape[1] * 64
     if not usable(rows, cols) or q.dtype != np.uint8 or q.shape[1] * 2 != cols or not q.flags.c_contiguous \
             or s.dtype != np.float32 or not s.flags.c_contiguous:
-        raise ValueError(f"matmat_int4 needs C-contiguous int4 parts of whole 32-row, 128-column items on a VNNI "
-                         f"CPU, got {q.dtype}{q.shape} and {s.dtype}{s.shape}")
+        raise ValueError(f"matmat_int4 needs C-contiguous int4 parts of 32 rows or more and whole 128-column "
+                         f"blocks on a VNNI CPU, got {q.dtype}{q.shape} and {s.dtype}{s.shape}")
     if x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous or x.shape[1] != cols:
         raise ValueError(f"matmat_int4 needs x float32[T, {cols}] (C order), got {x.dtype}{x.shape}")
     if out.shape != (x.shape[0], rows) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"matmat_int4 needs out float32[{x.shape[0]}, {rows}] (C order)")
+    whole = rows - rows % _ITEM
     for t0, t1 in token_blocks(x.shape[0]):
         block = np.arange(t0, t1, dtype=np.int64)
         digits, corr, unit = prepared(x, block)
         _block_items(q, s, digits, corr, unit, block - t0, t0, out)
+        if whole < rows:
+            rest = np.empty((t1 - t0, rows - whole), np.float32)
+            matmat_quant(q[whole:], s[whole:], x[t0:t1], rest)
+            out[t0:t1, whole:] = rest

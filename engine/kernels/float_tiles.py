@@ -37,7 +37,7 @@ from numba.extending import intrinsic, overload
 from tierlab.engine.kernels.experts_vnni import _step_item, _transpose16
 from tierlab.engine.kernels.fastexp import silu_f32
 from tierlab.engine.kernels.qmatmat import (_MARKERS, _deal_plan, _expert_matrices, _lines_per_pass, _prefetch_lines,
-                                            expert_batch, token_blocks)
+                                            expert_batch, matmat_bf16, token_blocks)
 from tierlab.engine.kernels.qmatvec import _I32, _I64, _V16F, _WIDE, _counted_loop, _load_vec, _row_start, _splat
 
 _OPTS = dict(nogil=True, cache=True, fastmath=True)
@@ -56,8 +56,9 @@ def usable(kind: str, hidden: int, inter: int) -> bool:
 
 def usable_dense(rows: int, cols: int) -> bool:
     """True where `matmat_tiles` takes a bf16 matrix [rows, cols]: AVX-512, whole 128-column
-    blocks, whole work items of 32 rows."""
-    return _WIDE and cols % _BLOCK == 0 and rows % (_TILES * _TILE) == 0 and rows > 0
+    blocks, at least one work item of 32 rows (the rows after the last whole item, such as a
+    fused router block's shared-expert gate, go to `qmatmat.matmat_bf16`)."""
+    return _WIDE and cols % _BLOCK == 0 and rows >= _TILES * _TILE
 
 
 @intrinsic
@@ -276,9 +277,9 @@ def experts_tiles(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarray
 
 @njit(**dict(_OPTS, parallel=True))
 def _matmat_items(w, x, tokens, out):
-    """out[t, r] = w[r] . x[t] for a bf16 w [rows, cols] (rows a multiple of 32): work items of 32
-    rows, each thread's next item (the following 32 rows, numba's prange giving each thread a
-    contiguous share) prefetched while it computes."""
+    """out[t, r] = w[r] . x[t] for a bf16 w [rows, cols], r below the last whole 32 rows: work
+    items of 32 rows, each thread's next item (the following 32 rows, numba's prange giving each
+    thread a contiguous share) prefetched while it computes."""
     item = _TILES * _TILE
     n_items = w.shape[0] // item
     for it in prange(n_items):
@@ -295,11 +296,16 @@ def matmat_tiles(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out [T, rows] = x [T, cols] @ w.T for a bf16 (uint16) C matrix w where `usable_dense`: a
     prompt's projections (`qmatmat.matmat_bf16` elsewhere)."""
     if w.dtype != np.uint16 or w.ndim != 2 or not w.flags.c_contiguous or not usable_dense(*w.shape):
-        raise ValueError(f"matmat_tiles needs a C-contiguous bf16 matrix of whole 32-row, 128-column items, "
-                         f"got {w.dtype}{w.shape}")
+        raise ValueError(f"matmat_tiles needs a C-contiguous bf16 matrix of 32 rows or more and whole 128-column "
+                         f"blocks, got {w.dtype}{w.shape}")
     if x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous or x.shape[1] != w.shape[1]:
         raise ValueError(f"matmat_tiles needs x float32[T, {w.shape[1]}] (C order), got {x.dtype}{x.shape}")
     if out.shape != (x.shape[0], w.shape[0]) or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"matmat_tiles needs out float32[{x.shape[0]}, {w.shape[0]}] (C order)")
+    whole = w.shape[0] - w.shape[0] % (_TILES * _TILE)
     for t0, t1 in token_blocks(x.shape[0]):
         _matmat_items(w, x[t0:t1], np.arange(t1 - t0, dtype=np.int64), out[t0:t1])
+        if whole < w.shape[0]:
+            rest = np.empty((t1 - t0, w.shape[0] - whole), np.float32)
+            matmat_bf16(w[whole:], x[t0:t1], rest)
+            out[t0:t1, whole:] = rest
