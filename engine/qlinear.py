@@ -11,8 +11,8 @@ is what cache-aware routing studies.
 
 A `QuantMatrix` stands where a weight array stood; `linear()` in
 kernels/dense.py dispatches on it. One token uses the int8/int4 matvec; a
-prompt uses the matrix-matrix kernels: int4 on a VNNI CPU the integer tiles
-of kernels/dense_vnni.py, otherwise kernels/qmatmat.py, which widens each row
+prompt uses the matrix-matrix kernels: on a VNNI CPU the integer tiles of
+kernels/dense_vnni.py, otherwise kernels/qmatmat.py, which widens each row
 once for all its tokens; either way the weights are read once per block of
 tokens.
 """
@@ -88,9 +88,9 @@ def qlinear(m: QuantMatrix, x: np.ndarray) -> np.ndarray:
         matvec = qmatvec.matvec_int8 if m.bits == 8 else qmatvec.matvec_int4
         matvec(m.q, m.scales, np.ascontiguousarray(x.reshape(-1), dtype=np.float32), out)
         return out if x.ndim == 1 else out[None, :]
-    if m.bits == 4 and dense_vnni.usable(*m.shape):  # integer tiles, 16 rows to a vector
+    if dense_vnni.usable(*m.shape):  # integer tiles, 16 rows to a vector
         out = np.empty((x.shape[0], m.shape[0]), dtype=np.float32)
-        dense_vnni.matmat_int4(m.q, m.scales, np.ascontiguousarray(x, dtype=np.float32), out)
+        dense_vnni.matmat_integer(m.q, m.scales, np.ascontiguousarray(x, dtype=np.float32), out)
         return out
     return matmat(m.kind, (m.q, m.scales), x)
 

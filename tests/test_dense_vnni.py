@@ -1,7 +1,7 @@
-"""A prompt's int4 projections by integer tiles (`dense_vnni`) against float64, and the token
-blocks every prompt projection runs in (`qmatmat.token_blocks`) against one launch.
+"""A prompt's int4 and int8 projections by integer tiles (`dense_vnni`) against float64, and the
+token blocks every prompt projection runs in (`qmatmat.token_blocks`) against one launch.
 
-The int4 tests run where the path runs: CPUs with AVX-512 VNNI (elsewhere `qlinear` keeps
+The integer tests run where the path runs: CPUs with AVX-512 VNNI (elsewhere `qlinear` keeps
 `qmatmat.matmat`, which tests/test_qlinear.py covers).
 """
 
@@ -26,52 +26,57 @@ def _prompt(tokens: int, cols: int, rng) -> np.ndarray:
 
 
 @needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows, cols, tokens", [(32, 128, 2), (96, 256, 13), (64, 384, 40), (160, 512, 300),
                                                    (33, 128, 5), (113, 256, 270)])
-def test_int4_tiles_match_float64_and_qlinear_takes_them(rows, cols, tokens, monkeypatch):
+def test_integer_tiles_match_float64_and_qlinear_takes_them(bits, rows, cols, tokens, monkeypatch):
     rng = np.random.default_rng(rows + cols + tokens)
-    m = quantize_matrix(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, 4)
+    m = quantize_matrix(rng.standard_normal((rows, cols)).astype(np.float32) * 0.1, bits)
     x = _prompt(tokens, cols, rng)
     out = np.full((tokens, rows), np.nan, dtype=np.float32)
-    DV.matmat_int4(m.q, m.scales, x, out)
+    DV.matmat_integer(m.q, m.scales, x, out)
     exact = x.astype(np.float64) @ m.dequantize().astype(np.float64).T
     for t in range(tokens):
         assert np.abs(out[t] - exact[t]).max() <= 1e-5 * max(np.abs(exact[t]).max(), 1e-30)
     calls = []
-    real = DV.matmat_int4
-    monkeypatch.setattr(DV, "matmat_int4", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = DV.matmat_integer
+    monkeypatch.setattr(DV, "matmat_integer", lambda *a: calls.append(a[0].shape) or real(*a))
     np.testing.assert_array_equal(QL.qlinear(m, x), out)
     assert calls == [m.q.shape]
 
 
 @needs_vnni
-def test_int4_tokens_do_not_depend_on_their_neighbours_or_the_blocks(monkeypatch):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_integer_tokens_do_not_depend_on_their_neighbours_or_the_blocks(bits, monkeypatch):
     rng = np.random.default_rng(7)
-    m = quantize_matrix(rng.standard_normal((64, 256)).astype(np.float32) * 0.1, 4)
+    m = quantize_matrix(rng.standard_normal((64, 256)).astype(np.float32) * 0.1, bits)
     x = _prompt(11, 256, rng)
     whole = np.empty((11, 64), np.float32)
-    DV.matmat_int4(m.q, m.scales, x, whole)
+    DV.matmat_integer(m.q, m.scales, x, whole)
     monkeypatch.setattr(qmatmat, "TOKEN_BLOCK", 3)  # four launches, the last of two tokens
     blocked = np.empty_like(whole)
-    DV.matmat_int4(m.q, m.scales, x, blocked)
+    DV.matmat_integer(m.q, m.scales, x, blocked)
     np.testing.assert_array_equal(blocked, whole)
     pair = np.empty((2, 64), np.float32)
-    DV.matmat_int4(m.q, m.scales, np.ascontiguousarray(x[5:7]), pair)
+    DV.matmat_integer(m.q, m.scales, np.ascontiguousarray(x[5:7]), pair)
     np.testing.assert_array_equal(pair, whole[5:7])
 
 
-def test_int4_refusals():
+def test_integer_refusals():
     assert not DV.usable(16, 128) and not DV.usable(32, 192) and not DV.usable(0, 128)
     if not DV.usable(32, 128):
         return
     m = quantize_matrix(np.zeros((32, 128), np.float32), 4)
     with pytest.raises(ValueError, match="x float32"):
-        DV.matmat_int4(m.q, m.scales, np.zeros((2, 64), np.float32), np.zeros((2, 32), np.float32))
+        DV.matmat_integer(m.q, m.scales, np.zeros((2, 64), np.float32), np.zeros((2, 32), np.float32))
     with pytest.raises(ValueError, match="out float32"):
-        DV.matmat_int4(m.q, m.scales, np.zeros((2, 128), np.float32), np.zeros((2, 31), np.float32))
+        DV.matmat_integer(m.q, m.scales, np.zeros((2, 128), np.float32), np.zeros((2, 31), np.float32))
     m16 = quantize_matrix(np.zeros((16, 128), np.float32), 4)
     with pytest.raises(ValueError, match="32 rows or more"):
-        DV.matmat_int4(m16.q, m16.scales, np.zeros((2, 128), np.float32), np.zeros((2, 16), np.float32))
+        DV.matmat_integer(m16.q, m16.scales, np.zeros((2, 128), np.float32), np.zeros((2, 16), np.float32))
+    with pytest.raises(ValueError, match="int4 or int8 parts"):  # float weights are not integer parts
+        DV.matmat_integer(np.zeros((32, 128), np.float32), m.scales, np.zeros((2, 128), np.float32),
+                          np.zeros((2, 32), np.float32))
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])

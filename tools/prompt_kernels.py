@@ -15,11 +15,13 @@ Lines: `pass` (one core, cache-hot: `qmatmat._dot_rows4`, four widened rows of 5
 columns against 16 tokens, the inner step of every matmat; GMAC/s of the calling
 thread's CPU time); `matmat KIND ROWSxCOLS T=n` (median of timed calls over copies of the
 matrix that do not fit in the last-level cache, GMAC/s; bf16 on CPUs with AVX-512 also
-`float_tiles.matmat_tiles`, "tiles", which `linear` runs there); `experts KIND
+`float_tiles.matmat_tiles`, "tiles", which `linear` runs there, and int8/int4 with AVX-512
+VNNI `dense_vnni.matmat_integer`, "integer tiles", which `qlinear` runs there; `--long`: the
+shapes at 512 and 4096 tokens); `experts KIND
 gate_up|down` (64 experts, 128 tokens routed top-8 at random, or unevenly with
 `--skew`; the float path's launches, and what `experts_matmat` runs instead where it
-does: bf16 on CPUs with AVX-512 `float_tiles`' launches, "tiles", int4 with AVX-512 VNNI
-`experts_vnni`'s, "integer dots"; GMAC/s of the launch, work items dealt round-robin to the threads or, `--deals
+does: bf16 on CPUs with AVX-512 `float_tiles`' launches, "tiles", int4 and int8 with AVX-512
+VNNI `experts_vnni`'s, "integer dots"; GMAC/s of the launch, work items dealt round-robin to the threads or, `--deals
 halves`, each thread a contiguous half; with --from-cache also with all 64 on one cache-resident blob); `attention
 T=n` (a causal prompt of n tokens, ms: the tiled kernel a prompt runs, then decode's
 token-by-token kernel that PREFILL_EXACT runs), `attention decode at N` (one token over N
@@ -40,7 +42,7 @@ from numba import njit
 from tierlab.app.lab import bench_kernels as B
 from tierlab.engine import hugepages
 from tierlab.engine.blob_layout import blob_nbytes
-from tierlab.engine.kernels import experts_vnni, float_tiles, qmatmat
+from tierlab.engine.kernels import dense_vnni, experts_vnni, float_tiles, qmatmat
 from tierlab.engine.kernels.dense import attention
 from tierlab.engine.kernels.deltanet_prompt import gated_deltanet_prompt
 from tierlab.engine.kernels.prompt_attention import attention_tiles
@@ -76,10 +78,15 @@ def pass_line(rng) -> str:
     return f"pass 4x512 T=16: {calls * 4 * 512 * 16 / best / 1e9:.1f} GMAC/s"
 
 
-def matmat_lines(kinds: list[str], rng) -> list[str]:
+MATMAT_SHAPES = ((12352, 2048, 128), (12352, 2048, 32), (2048, 4096, 128), (512, 2048, 16))
+LONG_SHAPES = ((12352, 2048, 512), (12352, 2048, 4096), (2048, 4096, 4096))  # --long: long prompts
+
+
+def matmat_lines(kinds: list[str], rng, shapes=MATMAT_SHAPES) -> list[str]:
     lines = []
     for kind in kinds:
-        for rows, cols, tokens in ((12352, 2048, 128), (12352, 2048, 32), (2048, 4096, 128), (512, 2048, 16)):
+        for rows, cols, tokens in shapes:
+            calls = 20 if tokens <= 512 else 3
             bytes_one = rows * cols * (2 if kind == "bf16" else 1)
             ops = B._random_operands(kind, rows, cols, max(2, (256 << 20) // bytes_one), rng)
             x = rng.standard_normal((tokens, cols), dtype=np.float32)
@@ -96,11 +103,19 @@ def matmat_lines(kinds: list[str], rng) -> list[str]:
             def tiled():
                 float_tiles.matmat_tiles(ops[next(turn) % len(ops)][0], x, out)
 
-            t = median_s(call, 20)
+            def integer():
+                parts = ops[next(turn) % len(ops)]
+                dense_vnni.matmat_integer(parts[0], parts[1], x, out)
+
+            t = median_s(call, calls)
             lines.append(f"matmat {kind} {rows}x{cols} T={tokens}: {rows * cols * tokens / t / 1e9:.1f} GMAC/s")
             if kind == "bf16" and float_tiles.usable_dense(rows, cols):  # what `linear` runs there
-                t = median_s(tiled, 20)
+                t = median_s(tiled, calls)
                 lines.append(f"matmat {kind} {rows}x{cols} T={tokens}, tiles: {rows * cols * tokens / t / 1e9:.1f} GMAC/s")
+            if kind != "bf16" and dense_vnni.usable(rows, cols):  # what `qlinear` runs there
+                t = median_s(integer, calls)
+                lines.append(f"matmat {kind} {rows}x{cols} T={tokens}, integer tiles: "
+                             f"{rows * cols * tokens / t / 1e9:.1f} GMAC/s")
     return lines
 
 
@@ -158,8 +173,8 @@ def experts_lines(kinds: list[str], tokens: int, rng, from_cache: bool = False, 
                 lines.append(f"experts {kind} gate_up, tiles{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s "
                              f"({1e3 * gate_up:.1f} ms)")
                 lines.append(f"experts {kind} down, tiles{how}: {macs / down / 1e9:.1f} GMAC/s ({1e3 * down:.1f} ms)")
-            if experts_vnni.usable(kind, HIDDEN, INTER):  # what `experts_matmat` runs for int4 here
-                gate_up, down = _integer_dot_times(bases, nbytes, x, rows, starts, dest, threads)
+            if experts_vnni.usable(kind, HIDDEN, INTER):  # what `experts_matmat` runs for int4 / int8 here
+                gate_up, down = _integer_dot_times(kind, marker, bases, nbytes, x, rows, starts, dest, threads)
                 lines.append(f"experts {kind} gate_up, integer dots{how}: {2 * macs / gate_up / 1e9:.1f} GMAC/s "
                              f"({1e3 * gate_up:.1f} ms)")
                 lines.append(f"experts {kind} down, integer dots{how}: {macs / down / 1e9:.1f} GMAC/s "
@@ -167,19 +182,21 @@ def experts_lines(kinds: list[str], tokens: int, rng, from_cache: bool = False, 
     return lines
 
 
-def _integer_dot_times(bases, nbytes, x, rows, starts, dest, threads) -> tuple[float, float]:
+def _integer_dot_times(kind, marker, bases, nbytes, x, rows, starts, dest, threads) -> tuple[float, float]:
     """Median seconds of `experts_vnni`'s two launches, each with its preparation of x or h."""
     h = np.empty((rows.size, INTER), np.float32)
     out = np.empty((rows.size, HIDDEN), np.float32)
     tokens, pairs = np.arange(x.shape[0], dtype=np.int64), np.arange(rows.size, dtype=np.int64)
+    bits = 4 if kind == "int4" else 8
 
     def gate_up():
-        digits, corr, unit = experts_vnni.prepared(x, tokens)
-        experts_vnni.gate_up_int4(bases, nbytes, HIDDEN, INTER, digits, corr, unit, rows, starts, h, threads)
+        digits, corr, unit = experts_vnni.prepared(x, tokens, bits)
+        experts_vnni.gate_up_dots(marker, bases, nbytes, HIDDEN, INTER, digits, corr, unit, rows, starts, h, threads)
 
     def down():
-        digits, corr, unit = experts_vnni.prepared(h, pairs)
-        experts_vnni.down_int4(bases, nbytes, HIDDEN, INTER, digits, corr, unit, pairs, starts, out, dest, threads)
+        digits, corr, unit = experts_vnni.prepared(h, pairs, bits)
+        experts_vnni.down_dots(marker, bases, nbytes, HIDDEN, INTER, digits, corr, unit, pairs, starts, out, dest,
+                               threads)
 
     return median_s(gate_up, 8), median_s(down, 8)
 
@@ -239,6 +256,8 @@ def main() -> None:
     p.add_argument("--deals", default="dealt",
                    help="how the experts' work items go to the threads, comma-separated, each in turn: dealt "
                         "(round-robin, as the engine runs them), halves (each thread a contiguous half)")
+    p.add_argument("--long", action="store_true",
+                   help="the matmat lines at 512 and 4096 tokens (a long prompt's projections) instead")
     p.add_argument("--parts", default="pass,matmat,experts,attention,deltanet",
                    help="which lines, comma-separated: pass,matmat,experts,attention,deltanet")
     a = p.parse_args()
@@ -247,7 +266,7 @@ def main() -> None:
     parts = set(a.parts.split(","))
     lengths = [int(n) for n in a.attention.split(",")]
     deals = tuple(a.deals.split(","))
-    makers = [("pass", lambda: [pass_line(rng)]), ("matmat", lambda: matmat_lines(kinds, rng)),
+    makers = [("pass", lambda: [pass_line(rng)]), ("matmat", lambda: matmat_lines(kinds, rng, LONG_SHAPES if a.long else MATMAT_SHAPES)),
               ("experts", lambda: experts_lines(kinds, a.prompt_tokens, rng, skew=a.skew, deals=deals)
                + (experts_lines(kinds, a.prompt_tokens, rng, from_cache=True, skew=a.skew, deals=deals)
                   if a.from_cache else [])),

@@ -35,15 +35,16 @@ from tierlab.engine.kernels.qmatvec import (_PARALLEL, _STEPS_PER_CHUNK, _WIDE, 
 #: docs/benchmarks.md "Few-token experts"); elsewhere the matrix kernels' earlier threshold
 FEW_TOKENS_AVX512 = {"int4": 16, "int8": 12, "bf16": 8, "fp32": 4}
 FEW_TOKENS_OTHER = 4
-#: int4 experts whose matrix kernels are `experts_vnni`'s integer dots: those cost what these
-#: do at 8 tokens an expert and less above (docs/benchmarks.md, "int4 experts by integer dots")
-FEW_TOKENS_INTEGER_DOTS = 8
+#: int4 / int8 experts whose matrix kernels are `experts_vnni`'s integer dots: those cost what
+#: these do at 8 (int4) and 10 (int8) tokens an expert and less above (docs/benchmarks.md, "int4
+#: experts by integer dots", "Long prompts: integer tiles for the projections")
+FEW_TOKENS_INTEGER_DOTS = {"int4": 8, "int8": 10}
 
 
 def few_token_limit(kind: str, hidden: int, inter: int) -> int:
     """The most tokens with which a prompt's expert of `kind` (hidden x inter) takes these kernels."""
     if experts_vnni.usable(kind, hidden, inter):
-        return FEW_TOKENS_INTEGER_DOTS
+        return FEW_TOKENS_INTEGER_DOTS[kind]
     fast = INT_PATH == "vnni" if kind in ("int8", "int4") else _WIDE
     return FEW_TOKENS_AVX512[kind] if fast else FEW_TOKENS_OTHER
 

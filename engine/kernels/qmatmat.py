@@ -874,14 +874,15 @@ def experts_matmat(kind: str, blobs: list, hidden: int, inter: int, x: np.ndarra
     Why: a prompt's experts each see a few tokens; one launch over (expert, rows) work items for
     all of them keeps both cores busy where one expert's launch would be too small, and fuses
     silu into the gate|up store. Each out row is the same whatever else is in the batch, within
-    1e-5 relative of the one-token kernels; x [T, hidden], out [rows, hidden] float32. int4
-    experts on CPUs with AVX-512 VNNI take `experts_vnni.experts_int4` (no row widened to float32).
+    1e-5 relative of the one-token kernels; x [T, hidden], out [rows, hidden] float32. int4 and
+    int8 experts on CPUs with AVX-512 VNNI take `experts_vnni.experts_integer` (no row widened
+    to float32).
     """
-    if kind == "int4":
+    if kind in ("int4", "int8"):
         from tierlab.engine.kernels import experts_vnni  # (it builds on this module)
 
         if experts_vnni.usable(kind, hidden, inter):  # integer dot products, 16 rows to a vector
-            experts_vnni.experts_int4(blobs, hidden, inter, x, token_rows, out, out_rows)
+            experts_vnni.experts_integer(kind, blobs, hidden, inter, x, token_rows, out, out_rows)
             return
     if kind in ("bf16", "fp32"):
         from tierlab.engine.kernels import float_tiles  # (it builds on this module)
