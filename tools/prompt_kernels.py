@@ -266,7 +266,8 @@ def main() -> None:
     parts = set(a.parts.split(","))
     lengths = [int(n) for n in a.attention.split(",")]
     deals = tuple(a.deals.split(","))
-    makers = [("pass", lambda: [pass_line(rng)]), ("matmat", lambda: matmat_lines(kinds, rng, LONG_SHAPES if a.long else MATMAT_SHAPES)),
+    shapes = LONG_SHAPES if a.long else MATMAT_SHAPES
+    makers = [("pass", lambda: [pass_line(rng)]), ("matmat", lambda: matmat_lines(kinds, rng, shapes)),
               ("experts", lambda: experts_lines(kinds, a.prompt_tokens, rng, skew=a.skew, deals=deals)
                + (experts_lines(kinds, a.prompt_tokens, rng, from_cache=True, skew=a.skew, deals=deals)
                   if a.from_cache else [])),

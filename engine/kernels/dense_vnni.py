@@ -45,9 +45,10 @@ def usable(rows: int, cols: int) -> bool:
 
 @njit(**dict(_OPTS, parallel=True))
 def _block_items(q, s, digits, corr, unit, tokens, t0, out):
-    """out[t0 + i, r] = row r of the int4 / int8 matrix (q, s) . the prepared token i, for the rows of
-    the whole 32-row work items; numba's prange gives each thread a contiguous share, so the rows it
-    most likely takes next (the following item) are prefetched while it computes."""
+    """out[t0 + i, r] = row r of the int4 / int8 matrix (q, s) . the prepared token i, for the
+    rows of the whole 32-row work items; numba's prange gives each thread a contiguous share,
+    so the rows it most likely takes next (the following item) are prefetched while it
+    computes."""
     n_items = q.shape[0] // _ITEM
     n_tokens = tokens.shape[0]
     blocks = s.shape[1] * 64 // _BLOCK

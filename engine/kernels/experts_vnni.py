@@ -14,11 +14,12 @@ Layout: a work item takes two tiles of 16 rows (16 gate rows and the same
 (two groups) at a time by 4-byte columns (`_transpose_tile`), so that lane l
 of a vector holds row l, as bytes: int4's low and high nibbles, int8's bytes
 plus 128 (the u8 operand, as in the matvec); a token's digits for 4 columns
-are broadcast to every lane, once for both tiles. A group's integer sum per row is then one lane of one register: the
-offset, the conversion and the group's scale times the token's unit are
-paid once per group, token and 16 rows (not once per 64 bytes and row, as
-in the matvec), and no horizontal sum is needed at the end. Widths must be
-whole 128-column blocks (`usable`), so no item is short.
+are broadcast to every lane, once for both tiles. A group's integer sum per
+row is then one lane of one register: the offset, the conversion and the
+group's scale times the token's unit are paid once per group, token and 16
+rows (not once per 64 bytes and row, as in the matvec), and no horizontal
+sum is needed at the end. Widths must be whole 128-column blocks
+(`usable`), so no item is short.
 
 Exactness: the integer sums are the matvec's (the same digits, the same
 wraparound-exact int32 arithmetic); only the float32 sums over groups run in
@@ -151,8 +152,9 @@ def _tile_dots(typingctx, tiles, digits, corr, unit, scales, ta, tb, tc, td, res
     the prepared arrays: digits int8 [N, bytes], corr int32 [N, groups] the group's offset,
     unit float32 [N, groups]); scales float32 [_TILES, groups, 16] the tiles' scales by group;
     tiles [_TILES, blocks, 2, 16, 16] from `_transpose_tile` of weights like q (whose dtype picks
-    the layout). Each broadcast of a token's digits serves every tile: a broadcast for each `vpdpbusd` held the one-core rate to 2.35 G
-    a second against 3.3 with it shared (docs/benchmarks.md)."""
+    the layout). Each broadcast of a token's digits serves every tile: a broadcast for each
+    `vpdpbusd` held the one-core rate to 2.35 G a second against 3.3 with it shared
+    (docs/benchmarks.md)."""
     def codegen(context, builder, signature, args):
         tl, dg, co, un, sc, rs = (context.make_array(signature.args[i])(context, builder, args[i])
                                   for i in (0, 1, 2, 3, 4, 9))
@@ -285,8 +287,9 @@ def _tile_item(qa, sa, ra, qb, sb, rb, blocks, tiles, scales):
 
 @njit(**_OPTS)
 def _token_passes(q, tiles, digits, corr, unit, scales, rows, first, last, res, pa, ra, pb, rb, pn):
-    """`_tile_dots` (tiles of weights like q) for the prepared rows rows[first..last-1], four a pass (a short last pass
-    repeats its last row): res[i - first] for each i (res [last - first + 3, 32]). Meanwhile
+    """`_tile_dots` (tiles of weights like q) for the prepared rows rows[first..last-1], four a
+    pass (a short last pass repeats its last row): res[i - first] for each i (res [last - first
+    + 3, 32]). Meanwhile
     rows ra..ra+pn-1 of pa and rb..rb+pn-1 of pb (the next work item's) are prefetched, a few
     lines a pass, as the float path's items do (`qmatmat._dot_groups`)."""
     step = _lines_per_pass(pa, pn, (last - first + 3) // 4)
