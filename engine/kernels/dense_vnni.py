@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange
 
 from tierlab.engine.kernels.experts_vnni import _BLOCK, _TILE, _TILES, _item_sums, prepared
-from tierlab.engine.kernels.qmatmat import matmat_quant, token_blocks
+from tierlab.engine.kernels.qmatmat import matmat_quant, rows_past_items, token_blocks
 from tierlab.engine.kernels.qmatvec import _VNNI
 
 _OPTS = dict(nogil=True, cache=True, fastmath=True)
@@ -80,7 +80,4 @@ def matmat_integer(q: np.ndarray, s: np.ndarray, x: np.ndarray, out: np.ndarray)
         block = np.arange(t0, t1, dtype=np.int64)
         digits, corr, unit = prepared(x, block, bits)
         _block_items(q, s, digits, corr, unit, block - t0, t0, out)
-        if whole < rows:
-            rest = np.empty((t1 - t0, rows - whole), np.float32)
-            matmat_quant(q[whole:], s[whole:], x[t0:t1], rest)
-            out[t0:t1, whole:] = rest
+        rows_past_items(matmat_quant, (q, s), x[t0:t1], out[t0:t1], whole)

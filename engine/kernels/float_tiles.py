@@ -37,7 +37,7 @@ from numba.extending import intrinsic, overload
 from tierlab.engine.kernels.experts_vnni import _step_item, _transpose16
 from tierlab.engine.kernels.fastexp import silu_f32
 from tierlab.engine.kernels.qmatmat import (_MARKERS, _deal_plan, _expert_matrices, _lines_per_pass, _prefetch_lines,
-                                            expert_batch, matmat_bf16, token_blocks)
+                                            expert_batch, matmat_bf16, rows_past_items, token_blocks)
 from tierlab.engine.kernels.qmatvec import _I32, _I64, _V16F, _WIDE, _counted_loop, _load_vec, _row_start, _splat
 
 _OPTS = dict(nogil=True, cache=True, fastmath=True)
@@ -305,7 +305,4 @@ def matmat_tiles(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     whole = w.shape[0] - w.shape[0] % (_TILES * _TILE)
     for t0, t1 in token_blocks(x.shape[0]):
         _matmat_items(w, x[t0:t1], np.arange(t1 - t0, dtype=np.int64), out[t0:t1])
-        if whole < w.shape[0]:
-            rest = np.empty((t1 - t0, w.shape[0] - whole), np.float32)
-            matmat_bf16(w[whole:], x[t0:t1], rest)
-            out[t0:t1, whole:] = rest
+        rows_past_items(matmat_bf16, (w,), x[t0:t1], out[t0:t1], whole)

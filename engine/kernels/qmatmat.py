@@ -547,6 +547,17 @@ def token_blocks(t_count: int) -> list[tuple[int, int]]:
     return [(t0, min(t_count, t0 + TOKEN_BLOCK)) for t0 in range(0, t_count, TOKEN_BLOCK)]
 
 
+def rows_past_items(kernel, parts: tuple, x: np.ndarray, out: np.ndarray, whole: int) -> None:
+    """out[:, whole:] = x times the rows of `parts` from `whole` on, by `kernel` (`matmat_bf16`:
+    parts (w,); `matmat_quant`: (q, s)). Why: the tile kernels take whole 32-row work items, and
+    a fused router block's last rows (the shared-expert gate) are fewer than an item."""
+    rows = parts[0].shape[0]
+    if whole < rows:
+        rest = np.empty((x.shape[0], rows - whole), np.float32)
+        kernel(*(p[whole:] for p in parts), x, rest)
+        out[:, whole:] = rest
+
+
 def matmat(kind: str, parts: tuple, x: np.ndarray) -> np.ndarray:
     """x [T, cols] times the matrix in `parts` (bf16: (w,), int8/int4: (q, scales)) -> [T, rows].
 
