@@ -44,11 +44,13 @@ def test_a_decoded_token_gets_the_prompts_bits(shape):
     ref = _reference(q, k, v, 0)
     scale = np.abs(ref).max()
     positions = sorted({0, 1, 2, 3, 4, q.shape[0] // 2, q.shape[0] - 2, q.shape[0] - 1})
-    for pos in positions:
-        one = np.full(q.shape[1:], np.nan, dtype=np.float32)
-        attention_decode(np.ascontiguousarray(q[pos]), k, v, pos, one, numba.get_num_threads())
-        assert np.array_equal(one, prompt[pos]), (shape, pos)
-        assert np.abs(one - ref[pos]).max() <= 1e-5 * scale
+    # a task per key/value head (threads up to their number), or the three passes (more)
+    for told in sorted({1, numba.get_num_threads(), k.shape[0] + 1}):
+        for pos in positions:
+            one = np.full(q.shape[1:], np.nan, dtype=np.float32)
+            attention_decode(np.ascontiguousarray(q[pos]), k, v, pos, one, told)
+            assert np.array_equal(one, prompt[pos]), (shape, pos, told)
+            assert np.abs(one - ref[pos]).max() <= 1e-5 * scale
 
 
 def test_the_thread_count_changes_no_bit():

@@ -5,8 +5,8 @@ eight query heads of a Qwen3.6 key/value head each read that head's keys and val
 again, one dot and one horizontal sum per key: 1.8 ms for one layer at 4096 positions
 (16 query / 2 KV heads of 256), about 9 GB/s of distinct cache. The prompt's tiles
 (`prompt_attention.attention_tiles`) with one token run four tasks that each read a whole
-key/value head. Here one token's attention over a long cache runs as three parallel
-passes:
+key/value head. Here one token's attention over a long cache, with more threads than
+key/value heads, runs as three parallel passes:
 
 1. scores, by ranges of keys: each block of four keys is dotted with every block of four
    query heads of its key/value head while it sits in L1;
@@ -15,7 +15,11 @@ passes:
    a piece of keys at a time through every 64-column stripe and head block.
 
 A cache of up to KEY_BLOCKS_PER_TASK blocks of keys takes one launch instead, a task per
-key/value head (the prompt's work item with one token). Every pass uses the prompt tiles'
+key/value head (the prompt's work item with one token), and so does any cache when the
+threads are no more than the key/value heads: each thread then has a head's keys and values
+to itself, and the three launches and the scores handed between threads cost more than they
+give (at 4096 positions on two threads 10-20% slower; docs/benchmarks.md, "Decode attention:
+the values asked for in order"). Every pass uses the prompt tiles'
 own functions (`prompt_attention`), and each output element is one chain of FMAs over the
 keys in order whichever task computes it, so a decoded token gets the bits a prompt's token
 gets at its position (tests/test_decode_attention.py): decode and prompt attention agree
@@ -43,8 +47,9 @@ def attention_decode(q, k_cache, v_cache, pos, out, threads):
     [Hkv, maxT, d] already holding its key and value; out [Hq, d]; d a multiple of 16;
     `threads`: the pool's thread count (`qmatvec._thread_count`; the split of the last pass).
     Scores scaled by 1/sqrt(d) and softmaxed in float32, as `attention_tiles` does them.
-    A cache of up to one scores task's keys takes one launch, a task per key/value head
-    (three launches cost more than such a cache's reads); a longer one the three passes."""
+    A cache of up to one scores task's keys, or any cache on no more threads than key/value
+    heads, takes one launch, a task per key/value head (three launches cost more than such a
+    cache's reads, or than splitting a head across threads gives); otherwise the three passes."""
     n_heads, d = q.shape
     n_kv = k_cache.shape[0]
     group = n_heads // n_kv
@@ -53,7 +58,7 @@ def attention_decode(q, k_cache, v_cache, pos, out, threads):
     q3 = q.reshape((1, n_heads, d))
     out3 = out.reshape((1, n_heads, d))
     key_blocks = (pos + 1 + 3) // 4
-    if key_blocks <= KEY_BLOCKS_PER_TASK:
+    if key_blocks <= KEY_BLOCKS_PER_TASK or threads <= n_kv:
         for kvh in prange(n_kv):
             _attend_tokens(q3, 0, 1, pos, k_cache, v_cache, kvh, group, per_kv, scale, out3)
         return

@@ -35,7 +35,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from tierlab.engine.kernels.fastexp import FAST_EXACT, exp_f32
-from tierlab.engine.kernels.qmatmat import _dot4xn, _f32_matrix, _prefetch_lines
+from tierlab.engine.kernels.qmatmat import _dot4xn, _f32_matrix
 from tierlab.engine.kernels.qmatvec import _fma, _I64, _V16F, _counted_loop, _load_vec, _prefetch, _splat
 
 _F32 = ir.FloatType()
@@ -48,22 +48,28 @@ KEYS_PER_PIECE = 64
 head_dim 256: in L2), so that a value row is read from memory once for all of them."""
 
 KEY_ROWS_AHEAD = 16
-VALUE_ROWS_AHEAD = 32
-"""How far ahead the passes prefetch the cache's rows (into L2, as the matvecs do): without it
-the keys' pass read a 4096-position cache 25% slower; of 8, 16 and 32 rows ahead for keys and
-16 or 32 for values, these were best (docs/benchmarks.md, "Decode attention")."""
+"""How far ahead the scores prefetch the keys (into L2, as the matvecs do): without it the keys'
+pass read a 4096-position cache 25% slower; of 8, 16 and 32 rows ahead, 16 was best
+(docs/benchmarks.md, "Decode attention"). Each step of a block's dot asks for its 64 bytes of
+the four rows that far on, spread over the FMAs: asked for a block at a time (64 lines at once)
+the pass read its keys from DRAM at about 20 GB/s, spread at about 38 (docs/benchmarks.md,
+"Decode attention: the values asked for in order"). The value rows are asked for a piece
+ahead (`_weighted_values`)."""
 
 
 def _weighted_range_codegen(chunks):
     """Codegen of acc[s, c0:c0 + 16 * chunks] += sum_j p[s, j] * v[j, c0:c0 + 16 * chunks] for the
-    four heads s, keys j = j0..j1-1 in order, arguments (p, v, j0, j1, c0, acc): 4 * chunks
-    16-lane sums carried across the keys from acc's values, so that pieces of keys taken in
-    order give one chain of FMAs. Each key's step also prefetches the same columns of the
-    value row VALUE_ROWS_AHEAD keys on (at most v's last row)."""
+    four heads s, keys j = j0..j1-1 in order, arguments (p, v, j0, j1, c0, acc, pf_row, pf_first,
+    pf_end): 4 * chunks 16-lane sums carried across the keys from acc's values, so that pieces of
+    keys taken in order give one chain of FMAs. Each key's step also prefetches as many 64-byte
+    lines of v as it reads, walking v's columns pf_first..pf_end-1 row after row from row
+    pf_row (at most v's last row): the caller points the walk at rows it takes later, so that
+    they are asked for in the order they lie in memory (`_weighted_values`)."""
 
     def codegen(context, builder, signature, args):
         p_arr, v_arr, acc_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 5))
-        j0, j1, c0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 3, 4))
+        j0, j1, c0, pf_row, pf_first, pf_end = (context.cast(builder, args[i], signature.args[i], types.int64)
+                                                for i in (2, 3, 4, 6, 7, 8))
 
         def row(arr, r):
             start = builder.gep(builder.bitcast(arr.data, ir.IntType(8).as_pointer()),
@@ -75,26 +81,32 @@ def _weighted_range_codegen(chunks):
 
         p_rows = [row(p_arr, ir.Constant(_I64, s)) for s in range(4)]
         last = builder.sub(builder.extract_value(v_arr.shape, 0), ir.Constant(_I64, 1))
+        width = ir.Constant(_I64, 16 * chunks)
 
-        def body(i, accs):
+        def body(i, carried):
+            accs, pf_r, pf_c = carried[:-2], carried[-2], carried[-1]
             j = builder.add(j0, i)
-            later = builder.add(j, ir.Constant(_I64, VALUE_ROWS_AHEAD))
-            later_row = row(v_arr, builder.select(builder.icmp_signed("<", later, last), later, last))
+            ahead = row(v_arr, builder.select(builder.icmp_signed("<", pf_r, last), pf_r, last))
             for c in range(chunks):
-                _prefetch(builder, later_row, builder.mul(columns(c), ir.Constant(_I64, 4)))
+                column = builder.add(pf_c, ir.Constant(_I64, 16 * c))
+                _prefetch(builder, ahead, builder.mul(column, ir.Constant(_I64, 4)))
+            pf_c = builder.add(pf_c, width)
+            wrap = builder.icmp_signed(">=", pf_c, pf_end)
+            pf_r = builder.select(wrap, builder.add(pf_r, ir.Constant(_I64, 1)), pf_r)
+            pf_c = builder.select(wrap, pf_first, pf_c)
             v_row = row(v_arr, j)
             vv = [_load_vec(builder, v_row, columns(c), _V16F, 4) for c in range(chunks)]
             out = []
             for s in range(4):
                 ps = _splat(builder, builder.load(builder.gep(p_rows[s], [j])), _V16F)
                 out += [_fma(builder, ps, vv[c], accs[s * chunks + c]) for c in range(chunks)]
-            return out
+            return out + [pf_r, pf_c]
 
         def acc_vector(s, c):
             return builder.bitcast(builder.gep(row(acc_arr, ir.Constant(_I64, s)), [columns(c)]), _V16F.as_pointer())
 
         start = [builder.load(acc_vector(s, c), align=4) for s in range(4) for c in range(chunks)]
-        accs = _counted_loop(builder, builder.sub(j1, j0), start, body)
+        accs = _counted_loop(builder, builder.sub(j1, j0), start + [pf_row, pf_first], body)[:-2]
         for s in range(4):
             for c in range(chunks):
                 builder.store(accs[s * chunks + c], acc_vector(s, c), align=4)
@@ -103,59 +115,60 @@ def _weighted_range_codegen(chunks):
     return codegen
 
 
-def _weighted_range(chunks, p, v, j0, j1, c0, acc):
+def _weighted_range(chunks, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end):
     if not (_f32_matrix(p) and _f32_matrix(v) and _f32_matrix(acc)):
         return None
-    return types.none(p, v, j0, j1, c0, acc), _weighted_range_codegen(chunks)
+    return types.none(p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end), _weighted_range_codegen(chunks)
 
 
 @intrinsic
-def _weighted_range4(typingctx, p, v, j0, j1, c0, acc):
-    """acc[s, c0:c0+64] += p[s, j] * v[j, c0:c0+64] for keys j = j0..j1-1 in order, s = 0..3."""
-    return _weighted_range(4, p, v, j0, j1, c0, acc)
+def _weighted_range4(typingctx, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end):
+    """acc[s, c0:c0+64] += p[s, j] * v[j, c0:c0+64] for keys j = j0..j1-1 in order, s = 0..3
+    (prefetching as `_weighted_range_codegen` says)."""
+    return _weighted_range(4, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end)
 
 
 @intrinsic
-def _weighted_range3(typingctx, p, v, j0, j1, c0, acc):
+def _weighted_range3(typingctx, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end):
     """`_weighted_range4` for 48 columns."""
-    return _weighted_range(3, p, v, j0, j1, c0, acc)
+    return _weighted_range(3, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end)
 
 
 @intrinsic
-def _weighted_range2(typingctx, p, v, j0, j1, c0, acc):
+def _weighted_range2(typingctx, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end):
     """`_weighted_range4` for 32 columns."""
-    return _weighted_range(2, p, v, j0, j1, c0, acc)
+    return _weighted_range(2, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end)
 
 
 @intrinsic
-def _weighted_range1(typingctx, p, v, j0, j1, c0, acc):
+def _weighted_range1(typingctx, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end):
     """`_weighted_range4` for 16 columns."""
-    return _weighted_range(1, p, v, j0, j1, c0, acc)
+    return _weighted_range(1, p, v, j0, j1, c0, acc, pf_row, pf_first, pf_end)
 
 
 @intrinsic
 def _keys_by_4_heads(typingctx, keys, r0, q, ha, hb, hc, hd, acc, at):
     """acc[at + s, k] += key r0+k of keys . head h_s of q, s = 0..3: `qmatmat._dot4x4_into` on rows
     r0..r0+3 of the whole key matrix (the same sums)."""
-    return _dot4xn(4, keys, q, acc, (keys, r0, q, ha, hb, hc, hd, acc, at), first_row=True)
+    return _dot4xn(4, keys, q, acc, (keys, r0, q, ha, hb, hc, hd, acc, at), first_row=True, ahead_rows=KEY_ROWS_AHEAD)
 
 
 @intrinsic
 def _keys_by_3_heads(typingctx, keys, r0, q, ha, hb, hc, acc, at):
     """`_keys_by_4_heads` for three heads (`_dot4x3_into`)."""
-    return _dot4xn(3, keys, q, acc, (keys, r0, q, ha, hb, hc, acc, at), first_row=True)
+    return _dot4xn(3, keys, q, acc, (keys, r0, q, ha, hb, hc, acc, at), first_row=True, ahead_rows=KEY_ROWS_AHEAD)
 
 
 @intrinsic
 def _keys_by_2_heads(typingctx, keys, r0, q, ha, hb, acc, at):
     """`_keys_by_4_heads` for two heads (`_dot4x2_into_lanes`)."""
-    return _dot4xn(2, keys, q, acc, (keys, r0, q, ha, hb, acc, at), first_row=True)
+    return _dot4xn(2, keys, q, acc, (keys, r0, q, ha, hb, acc, at), first_row=True, ahead_rows=KEY_ROWS_AHEAD)
 
 
 @intrinsic
 def _keys_by_1_head(typingctx, keys, r0, q, ha, acc, at):
     """`_keys_by_4_heads` for one head (`_dot4x1_into`)."""
-    return _dot4xn(1, keys, q, acc, (keys, r0, q, ha, acc, at), first_row=True)
+    return _dot4xn(1, keys, q, acc, (keys, r0, q, ha, acc, at), first_row=True, ahead_rows=KEY_ROWS_AHEAD)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -172,17 +185,26 @@ def _score_block(keys, r0, q, h0, heads, acc, at):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _weighted_stripe(probs, values, j0, j1, c0, acc):
-    """acc[:, c0:c0 + w] += probs [4, >= j1] times the value rows j0..j1-1, w = min(64, d - c0)."""
+def _weighted_stripe(probs, values, j0, j1, c0, acc, pf_row, pf_first, pf_end):
+    """acc[:, c0:c0 + w] += probs [4, >= j1] times the value rows j0..j1-1, w = min(64, d - c0),
+    prefetching columns pf_first..pf_end-1 of the rows from pf_row on, as many lines a key as it
+    reads."""
     left = acc.shape[1] - c0
     if left >= 64:
-        _weighted_range4(probs, values, j0, j1, c0, acc)
+        _weighted_range4(probs, values, j0, j1, c0, acc, pf_row, pf_first, pf_end)
     elif left == 48:
-        _weighted_range3(probs, values, j0, j1, c0, acc)
+        _weighted_range3(probs, values, j0, j1, c0, acc, pf_row, pf_first, pf_end)
     elif left == 32:
-        _weighted_range2(probs, values, j0, j1, c0, acc)
+        _weighted_range2(probs, values, j0, j1, c0, acc, pf_row, pf_first, pf_end)
     else:
-        _weighted_range1(probs, values, j0, j1, c0, acc)
+        _weighted_range1(probs, values, j0, j1, c0, acc, pf_row, pf_first, pf_end)
+
+
+_SUM_LANES = 16
+"""Running sums (and maxima) a softmax row keeps, key j going to sum j % 16 for the whole blocks
+of 16 keys, the sums then added in lane order and the last keys after them: sixteen chains
+instead of one (the sum of a 4096-key row was 4096 dependent additions), in an order fixed
+in the code, so a compiled and a cached kernel still agree."""
 
 
 @njit(nogil=True, cache=True, fastmath=FAST_EXACT, error_model="numpy")
@@ -200,13 +222,26 @@ def _softmax_rows(scores, heads, length, scale, probs):
         for b in range((length + 3) // 4):
             for k in range(4):
                 probs[s, 4 * b + k] = scores[b, s, k] * scale
+        whole = length - length % _SUM_LANES
+        lanes = np.full(_SUM_LANES, -np.inf, dtype=np.float32)
+        for j0 in range(0, whole, _SUM_LANES):
+            for lane in range(_SUM_LANES):
+                lanes[lane] = max(lanes[lane], probs[s, j0 + lane])
         m = np.float32(-np.inf)
-        for j in range(length):
+        for lane in range(_SUM_LANES):
+            m = max(m, lanes[lane])
+        for j in range(whole, length):
             m = max(m, probs[s, j])
         for j in range(length):
             probs[s, j] = exp_f32(probs[s, j] - m)
+        lanes[:] = 0.0
+        for j0 in range(0, whole, _SUM_LANES):
+            for lane in range(_SUM_LANES):
+                lanes[lane] += probs[s, j0 + lane]
         total = np.float32(0.0)
-        for j in range(length):
+        for lane in range(_SUM_LANES):
+            total += lanes[lane]
+        for j in range(whole, length):
             total += probs[s, j]
         inv = np.float32(1.0) / total
         for j in range(length):
@@ -236,8 +271,6 @@ def _scores_of_keys(q, t0, t1, start, keys, kvh, group, per_kv, first, end, scor
         if j + 4 > rows:
             pad[:rows - j] = keys[j:rows]
             block, r0 = pad, 0
-        elif j + KEY_ROWS_AHEAD + 4 <= rows:
-            _prefetch_lines(keys, j + KEY_ROWS_AHEAD, 4, 0, 4 * d // 16)
         for i in range(t1 - t0):
             if j > start + t0 + i:
                 continue
@@ -262,13 +295,18 @@ def _weighted_values(probs, values, t0, t1, start, kvh, group, per_kv, base, fir
     d = values.shape[1]
     n = t1 - t0
     acc = np.zeros((n, per_kv, 4, d), dtype=np.float32)
+    # while the stripes go over a piece, the next piece's rows (their columns of these stripes)
+    # are asked for in the order they lie, each stripe's pass a share of them
+    pf_first, pf_end = first * STRIPE, min(d, end * STRIPE)
     for j0 in range(0, start + t1, KEYS_PER_PIECE):
         for stripe in range(first, end):
+            pf_row = j0 + KEYS_PER_PIECE + (stripe - first) * KEYS_PER_PIECE // (end - first)
             for i in range(n):
                 j1 = min(start + t0 + i + 1, j0 + KEYS_PER_PIECE)
                 for hb in range(per_kv):
                     if j1 > j0:
-                        _weighted_stripe(probs[i, base + hb], values, j0, j1, stripe * STRIPE, acc[i, hb])
+                        _weighted_stripe(probs[i, base + hb], values, j0, j1, stripe * STRIPE, acc[i, hb], pf_row,
+                                         pf_first, pf_end)
     for i in range(n):
         for hb in range(per_kv):
             h0 = kvh * group + 4 * hb

@@ -172,14 +172,16 @@ def _f32_matrix(t) -> bool:
     return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == types.float32
 
 
-def _dot4xn_codegen(n, first_row=False):
+def _dot4xn_codegen(n, first_row=False, ahead_rows=0):
     """Codegen of a pass of four rows by n tokens (n = 1..4): 4 * n 16-lane accumulators, then
     `_tree_sums` over them and zero vectors in the absent tokens' places, so that a token's
     sums take the same FMAs and additions in every variant (a sum only ever adds its own
     vector's lanes, and a zero vector's sums are zeros). The arguments are (w4, x, the n
     token rows, acc, at), or with `first_row` (w, r0, x, ...): rows r0..r0+3 of w, so that a
     caller walking a long matrix passes it whole instead of a view (and its reference count)
-    per four rows."""
+    per four rows. `ahead_rows` (with `first_row`): each step also prefetches its 64 bytes of
+    the four rows that many rows on (at most w's last row), so that a caller walking w's rows
+    in order asks for them a line at a time, spread over the FMAs, not in bursts."""
     shift = 1 if first_row else 0
 
     def codegen(context, builder, signature, args):
@@ -197,9 +199,17 @@ def _dot4xn_codegen(n, first_row=False):
         r0 = arg_int(1) if first_row else ir.Constant(_I64, 0)
         ws = [row(w_arr, builder.add(r0, ir.Constant(_I64, k))) for k in range(4)]
         xs = [row(x_arr, arg_int(2 + shift + s)) for s in range(n)]
+        later = []
+        if ahead_rows:
+            last = builder.sub(builder.extract_value(w_arr.shape, 0), ir.Constant(_I64, 1))
+            for k in range(4):
+                r = builder.add(r0, ir.Constant(_I64, ahead_rows + k))
+                later.append(row(w_arr, builder.select(builder.icmp_signed("<", r, last), r, last)))
 
         def body(i, accs):
             col = builder.mul(i, ir.Constant(_I64, 16))
+            for p in later:
+                _prefetch(builder, p, builder.mul(col, ir.Constant(_I64, 4)))
             wv = [_load_vec(builder, p, col, _V16F, 4) for p in ws]
             xv = [_load_vec(builder, p, col, _V16F, 4) for p in xs]
             return [_fma(builder, wv[k], xv[s], accs[4 * s + k])
@@ -216,13 +226,13 @@ def _dot4xn_codegen(n, first_row=False):
     return codegen
 
 
-def _dot4xn(n, w4, x, acc, args, first_row=False):
+def _dot4xn(n, w4, x, acc, args, first_row=False, ahead_rows=0):
     """The (signature, codegen) of a pass of four rows by n tokens for these argument types
     (w4, x, the n token rows, acc, at; with `first_row`: w, r0, x, ...), or None when they are
     not float32 C matrices."""
     if not (_f32_matrix(w4) and _f32_matrix(x) and _f32_matrix(acc)):
         return None
-    return types.none(*args), _dot4xn_codegen(n, first_row)
+    return types.none(*args), _dot4xn_codegen(n, first_row, ahead_rows)
 
 
 @intrinsic
