@@ -19,7 +19,7 @@ key/value head (the prompt's work item with one token), and so does any cache wh
 threads are no more than the key/value heads: each thread then has a head's keys and values
 to itself, and the three launches and the scores handed between threads cost more than they
 give (at 4096 positions on two threads 10-20% slower; docs/benchmarks.md, "Decode attention:
-the values asked for in order"). Every pass uses the prompt tiles'
+the rows asked for in order"). Every pass uses the prompt tiles'
 own functions (`prompt_attention`), and each output element is one chain of FMAs over the
 keys in order whichever task computes it, so a decoded token gets the bits a prompt's token
 gets at its position (tests/test_decode_attention.py): decode and prompt attention agree

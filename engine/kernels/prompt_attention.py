@@ -53,7 +53,7 @@ pass read a 4096-position cache 25% slower; of 8, 16 and 32 rows ahead, 16 was b
 (docs/benchmarks.md, "Decode attention"). Each step of a block's dot asks for its 64 bytes of
 the four rows that far on, spread over the FMAs: asked for a block at a time (64 lines at once)
 the pass read its keys from DRAM at about 20 GB/s, spread at about 38 (docs/benchmarks.md,
-"Decode attention: the values asked for in order"). The value rows are asked for a piece
+"Decode attention: the rows asked for in order"). The value rows are asked for a piece
 ahead (`_weighted_values`)."""
 
 
