@@ -262,9 +262,9 @@ def _scores_of_keys(q, t0, t1, start, keys, kvh, group, per_kv, first, end, scor
     """scores[i, base + hb][4b + s, k] += head s of head block hb (of key/value head kvh) of token
     t0 + i of q [T, Hq, d] . key 4b + k, for key blocks first..end-1 that reach no further than
     the token's position (start + t0 + i); each block of keys dotted with every token's head
-    blocks while it sits in L1, the rows KEY_ROWS_AHEAD on prefetched. pad [4, d]: zeros, for the
-    cache's last rows when its last block of four runs past them."""
-    rows, d = keys.shape
+    blocks while it sits in L1, the rows KEY_ROWS_AHEAD on prefetched by the dots. pad [4, d]:
+    zeros, for the cache's last rows when its last block of four runs past them."""
+    rows = keys.shape[0]
     for b in range(first, end):
         j = 4 * b
         block, r0 = keys, j
