@@ -11,10 +11,13 @@ transposed by 4-byte columns, 16 rows to a 64-byte vector (the layout
 float work is paid once per 16 rows and no horizontal sum is left. This probe
 tiles random int4 matrices once (`tile`), multiplies one token with a
 compiled tile loop (x prepared as `experts_vnni.prepared` prepares it) and
-times it beside `matvec_int4` on the same matrices, in L2 ("hot") and from
-DRAM (enough copies to pass the L3), with 1 and 2 threads, each figure beside
-the stream read (`bench_kernels.StreamProbe`) taken around it. It checks the
-two results agree before timing.
+times it beside `matvec_int4` on the same matrices, in cache ("hot": one
+matrix, in L2, or in L3 for the 8192-row one) and from DRAM (enough copies
+to pass the L3), with 1 and 2 threads, each figure beside the stream read
+(`bench_kernels.StreamProbe`) taken around it at the same thread count. It
+checks the two results agree before timing. TILED_PROBE_AHEAD=BYTES adds a
+software prefetch that far ahead of each item's stream (none by default:
+none of 2, 4 and 8 KiB read faster from DRAM, docs/benchmarks.md).
 
     NUMBA_NUM_THREADS=2 .venv/bin/python tools/tiled_int4_probe.py [--seconds 1.0]
 """
