@@ -1183,13 +1183,13 @@ class _HeldForStep:
         # read under the lock: set_slots may replace the layer until then
         st = store._layers[part.layer]
         source = store._source
-        args = router.args  # (..., x at 4, ..., chosen at 17, stock top-K at 18, ..., weights at 20, ...)
+        args = router.args  # (..., x at 4, ..., chosen at 17, stock top-K at 18, weights at 20, threads at 21)
         part.status[0] = -2
         part.args = (st["slot_of"], st["loading"], st["pf_pass"], st["busy"], st["last"], st["store"],
                      _WEIGHT_MARKER[source.kind], source.hidden, source.inter, args[17][0], store._clock, part.slots,
                      args[18][0], part.shadow, args[4], part.outputs, store._rows(part.outputs.shape[0]), args[20][0],
                      part.y, None if router.term is None else router.term[0], store._hits, part.layer,
-                     store._in_ram[part.layer], part.levels, self.residual, part.status)
+                     store._in_ram[part.layer], part.levels, self.residual, part.status, args[21])
 
     def __exit__(self, *exc) -> None:
         store = self.store

@@ -126,14 +126,14 @@ _NO_TERM = np.empty((1, 0), dtype=np.float32)
 
 @njit(nogil=True, cache=True)
 def _resident_kernels(slot_of, loading, pf_pass, busy, last, store, marker, hidden, inter, experts, clock, slots,
-                      stock, shadow, x, outputs, rows, weights, y, term, hits, layer):
+                      stock, shadow, x, outputs, rows, weights, y, term, hits, layer, threads):
     clock = claim_resident(slot_of, loading, pf_pass, busy, last, experts, clock, slots, stock, shadow)
     if clock < 0:
         return clock
     hits[layer] += experts.shape[0]
     h = np.empty((slots.shape[0], inter), np.float32)
-    _experts(store, slots, marker, hidden, inter, x, h, outputs, rows, GATE_UP, 1.0)
-    _experts(store, slots, marker, hidden, inter, x, h, outputs, rows, ADD, 1.0)
+    _experts(store, slots, marker, hidden, inter, x, h, outputs, rows, GATE_UP, 1.0, threads)
+    _experts(store, slots, marker, hidden, inter, x, h, outputs, rows, ADD, 1.0, threads)
     release_slots(busy, slots)
     if weights is not None:
         add_weighted(y, experts, weights, outputs)
@@ -146,7 +146,7 @@ def _resident_kernels(slot_of, loading, pf_pass, busy, last, store, marker, hidd
 @njit(nogil=True, cache=True)
 def _resident_into_residual(slot_of, loading, pf_pass, busy, last, store, marker, hidden, inter, chosen, clock, slots,
                             stock, shadow, x, outputs, rows, weights, y, term, hits, layer, in_ram, levels, residual,
-                            status):
+                            status, threads):
     """`_resident_kernels` on the router block's choices (int32, as `route_rows` writes them),
     with the chosen experts' residency levels read first (as `MoEBlock._plain_route` reads
     them before the claims), then residual[0] += y: status[0] gets the new LRU clock, or -1
@@ -156,7 +156,8 @@ def _resident_into_residual(slot_of, loading, pf_pass, busy, last, store, marker
         e = experts[i]
         levels[i] = in_ram[e] if 0 <= e < in_ram.shape[0] else 0
     clock = _resident_kernels(slot_of, loading, pf_pass, busy, last, store, marker, hidden, inter, experts, clock,
-                              slots, stock.astype(np.int64), shadow, x, outputs, rows, weights, y, term, hits, layer)
+                              slots, stock.astype(np.int64), shadow, x, outputs, rows, weights, y, term, hits, layer,
+                              threads)
     status[0] = clock
     if clock >= 0:
         for i in range(residual.shape[1]):
@@ -208,4 +209,4 @@ def resident_experts_step(layer_state: dict, kind: str, hidden: int, inter: int,
     st = layer_state
     return _resident_kernels(st["slot_of"], st["loading"], st["pf_pass"], st["busy"], st["last"], st["store"],
                              _WEIGHT_MARKER[kind], hidden, inter, experts, clock, slots, stock, shadow, x, outputs,
-                             rows, weights, y, term, hits, layer)
+                             rows, weights, y, term, hits, layer, _thread_count())

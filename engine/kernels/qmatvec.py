@@ -1202,7 +1202,20 @@ def _tokens(qa, sa, qb, sb, x, out, mode):
 # what its own two launches give it. A parallel step covers a chunk of steps of
 # one expert, so that its views are made once per chunk.
 
-_STEPS_PER_CHUNK = 16
+_STEPS_PER_CHUNK = 16  # the prompt's few-token kernel (experts_tokens)
+# A decoded token's launches take about four chunks per thread: on the Zen 4, with 16-step
+# chunks (16 KiB of down each) the down launch of eight int4 experts took 143-147 us from
+# DRAM where one 16384x512 matvec of the same bytes took 133-137; with four a thread (one
+# an expert at two threads) 122-130 (docs/benchmarks.md, "Fewer, longer work items").
+_ITEMS_PER_THREAD = 4
+
+
+@njit(**_SERIAL)
+def _chunk_steps(steps, n, threads):
+    """Steps of one expert per parallel work item in `_experts`: the launch's n * steps
+    steps in about `_ITEMS_PER_THREAD` items per thread, each within one expert."""
+    per_expert = max(1, (_ITEMS_PER_THREAD * max(1, threads) + n - 1) // n)
+    return max(1, (steps + per_expert - 1) // per_expert)
 
 
 def expert_views(row, marker, hidden, inter):
@@ -1244,9 +1257,10 @@ def _expert_views_impl(row, marker, hidden, inter):
 
 
 @njit(**_PARALLEL)
-def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
+def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w, threads):
     """mode GATE_UP: h[k] = silu(gate_k x) * (up_k x); mode ADD: out[out_rows[k]] += w *
-    (down_k h[k]); expert k is the blob in store[slots[k]], x float32[hidden], h [K, inter]."""
+    (down_k h[k]); expert k is the blob in store[slots[k]], x float32[hidden], h [K, inter];
+    `threads`: numba's thread count, for the work items' size."""
     wide_vectors()
     wf = np.float32(w)
     n = slots.shape[0]
@@ -1256,13 +1270,14 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
         qa = expert_views(store[slots[0]], marker, hidden, inter)[0]
         ahead = _ahead_bytes(qa, GATE_UP)
         steps = inter // 2
-        chunks = (steps + _STEPS_PER_CHUNK - 1) // _STEPS_PER_CHUNK
+        per = _chunk_steps(steps, n, threads)
+        chunks = (steps + per - 1) // per
         for p in prange(n * chunks):
             k = p // chunks
             c = p % chunks
             qg, sg, qu, su, _qd, _sd = expert_views(store[slots[k]], marker, hidden, inter)
             hk = h[k]
-            for step in range(c * _STEPS_PER_CHUNK, min(steps, (c + 1) * _STEPS_PER_CHUNK)):
+            for step in range(c * per, min(steps, (c + 1) * per)):
                 r = 2 * step
                 g0, g1, u0, u1 = _columns_left(
                     qg, qu, r, r + 1, r, r + 1, x,
@@ -1285,13 +1300,14 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w):
         qa = expert_views(store[slots[0]], marker, hidden, inter)[4]
         ahead = _ahead_bytes(qa, ADD)
         steps = hidden // 4
-        chunks = (steps + _STEPS_PER_CHUNK - 1) // _STEPS_PER_CHUNK
+        per = _chunk_steps(steps, n, threads)
+        chunks = (steps + per - 1) // per
         for p in prange(n * chunks):
             k = p // chunks
             c = p % chunks
             qd, sd = expert_views(store[slots[k]], marker, hidden, inter)[4:]
             hk, dk, uk, ck, yk = h[k], digits[k], unit[k], corr[k], out[out_rows[k]]
-            for step in range(c * _STEPS_PER_CHUNK, min(steps, (c + 1) * _STEPS_PER_CHUNK)):
+            for step in range(c * per, min(steps, (c + 1) * per)):
                 r = 4 * step
                 v0, v1, v2, v3 = _columns_left(
                     qd, qd, r, r + 1, r + 2, r + 3, hk,
@@ -1544,8 +1560,9 @@ def experts_forward(kind: str, store: np.ndarray, slots: np.ndarray, hidden: int
     h = np.empty((n, inter), np.float32)
     marker = _WEIGHT_MARKER[kind]
     x = _f32(x)
-    _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, GATE_UP, 1.0)
-    _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, ADD, 1.0)
+    threads = _thread_count()
+    _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, GATE_UP, 1.0, threads)
+    _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, ADD, 1.0, threads)
 
 
 EXPERT_FORWARD = {
