@@ -64,7 +64,7 @@ from tierlab.engine.kernels.experts_tokens import experts_tokens, few_token_limi
 from tierlab.engine.kernels.qmatmat import expert_matmat, experts_matmat
 from tierlab.engine.kernels.dense import add_weighted
 from tierlab.engine.kernels.moe_step import resident_experts_step
-from tierlab.engine.kernels.qmatvec import _WEIGHT_MARKER, expert_forward_tokens, experts_forward
+from tierlab.engine.kernels.qmatvec import expert_forward_tokens, experts_forward
 from tierlab.engine.tiering import TierOptions
 from tierlab.engine.tiers.opencl_tier import TierFailure
 
@@ -556,19 +556,6 @@ class ExpertStore:
             # no notify: the slots were held and given back under this one hold of the lock
         timers["compute"] += time.perf_counter() - t0
         return None if stock is None else Shadow(ram_hits=int(shadow[0]), ram_misses=int(shadow[1]), vram=0)
-
-    def can_run_in_step(self, layer: int, top_k: int) -> bool:
-        """Whether a decoded token's experts in `layer` may run inside its mixer's call
-        (`moe_step.ResidentExperts`): RAM slots there, no GPU tier, more than one expert
-        (the cases `compute_weighted` takes `_compute_resident` for)."""
-        return self._tier is None and top_k > 1 and self._layers[layer] is not None
-
-    def holding(self, part, router, residual: np.ndarray) -> "_HeldForStep":
-        """The store's lock for one mixer call that runs `part` (a `moe_step.ResidentExperts`:
-        the token's resident experts, after `router`'s block), with `part.args` read under
-        it; the LRU clock the call leaves is taken back when it ends. residual: the layer's
-        residual stream [1, H]."""
-        return _HeldForStep(self, part, router, residual)
 
     def _rows(self, n: int) -> np.ndarray:
         """0..n-1 as int64 (a token's output rows), made once per n."""
@@ -1167,36 +1154,3 @@ class ExpertStore:
         if self._tier is not None:
             self._tier.close()
             self._tier = None
-
-
-class _HeldForStep:
-    """`ExpertStore.holding`: a plain class, as it runs on every decoded layer."""
-
-    __slots__ = ("store", "part", "router", "residual")
-
-    def __init__(self, store: ExpertStore, part, router, residual: np.ndarray) -> None:
-        self.store, self.part, self.router, self.residual = store, part, router, residual
-
-    def __enter__(self) -> None:
-        store, part, router = self.store, self.part, self.router
-        store._cond.acquire()
-        # read under the lock: set_slots may replace the layer until then
-        st = store._layers[part.layer]
-        source = store._source
-        args = router.args  # (..., x at 4, ..., chosen at 17, stock top-K at 18, weights at 20, threads at 21)
-        part.status[0] = -2
-        part.args = (st["slot_of"], st["loading"], st["pf_pass"], st["busy"], st["last"], st["store"],
-                     _WEIGHT_MARKER[source.kind], source.hidden, source.inter, args[17][0], store._clock, part.slots,
-                     args[18][0], part.shadow, args[4], part.outputs, store._rows(part.outputs.shape[0]), args[20][0],
-                     part.y, None if router.term is None else router.term[0], store._hits, part.layer,
-                     store._in_ram[part.layer], part.levels, self.residual, part.status, args[21])
-
-    def __exit__(self, *exc) -> None:
-        store = self.store
-        try:
-            clock = int(self.part.status[0])
-            if clock >= 0:
-                store._clock = clock
-        finally:
-            self.part.args = None
-            store._cond.release()

@@ -299,35 +299,25 @@ class Engine:
         A decoded token takes the norms and the residual add in the mixer's one compiled call
         where it has one (`decode_residual`; the same kernels in the same order, so the same
         bits), booked with the mixer, and the MoE `router` block too when given (booked as
-        "router", by the clock readings the call takes around it), and with the router's
-        `resident` experts those as well, added to x, under the store's lock (booked as
-        "compute"); PILOT reads x after the add either way."""
+        "router", by the clock readings the call takes around it); PILOT reads x after the
+        add either way."""
         cfg = self.config
         timers = ctx.timers
         t0 = time.perf_counter()
         h = None
         router_s = 0.0
-        experts_s = 0.0
         if x.shape[0] == 1:
-            stamps = np.zeros(4, dtype=np.int64)
-            norms = (layer.input_norm, layer.post_norm, cfg.rms_eps)
-            resident = None if router is None else router.resident
-            if resident is None:
-                h = layer.mixer.decode_residual(x, self.pos, state, norms, router, stamps)
-            else:  # the experts run in the same call, under the store's lock
-                with ctx.store.holding(resident, router, x):
-                    h = layer.mixer.decode_residual(x, self.pos, state, norms, router, stamps)
+            stamps = np.zeros(2, dtype=np.int64)
+            h = layer.mixer.decode_residual(x, self.pos, state, (layer.input_norm, layer.post_norm, cfg.rms_eps),
+                                            router, stamps)
             if h is not None and router is not None:
                 router.ran = True
                 router_s = 1e-9 * float(stamps[1] - stamps[0])
-                experts_s = 1e-9 * float(stamps[3] - stamps[2])
         if h is None:
             x += layer.mixer.forward(rmsnorm(x, layer.input_norm, cfg.rms_eps), self.pos, state,
                                      exact=ctx.knobs.PREFILL_EXACT)
-        timers["deltanet" if layer.kind == "linear_attention" else "attention"] += (time.perf_counter() - t0 - router_s
-                                                                                    - experts_s)
+        timers["deltanet" if layer.kind == "linear_attention" else "attention"] += time.perf_counter() - t0 - router_s
         timers["router"] += router_s
-        timers["compute"] += experts_s
         if ctx.knobs.PILOT:
             t0 = time.perf_counter()
             self._pilot().after_mixer(layer.index, x, ctx.knobs)
@@ -353,8 +343,7 @@ class Engine:
             router = layer.mlp.decode_router(ctx) if T == 1 and not ctx.knobs.PILOT else None
             h = self._mixer_half(layer, state, x, ctx, router)
             out, routes = layer.mlp.forward(h, ctx, last_row_only=trim_last and layer is last, router=router)
-            if out is not None:  # None: the MoE block's output is already in x (`moe_step.ResidentExperts`)
-                x += out
+            x += out
             routes_by_layer.append(routes)
         self._count_routes(routes_by_layer)
         t0 = time.perf_counter()

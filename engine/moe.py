@@ -22,7 +22,7 @@ from tierlab.engine.config import ModelConfig
 from tierlab.engine.events import LEVEL_GPU, LayerRoute
 from tierlab.engine.kernels.dense import (PAIRWISE_BLOCK, add_weighted_rows, linear, route_rows, shared_expert_inputs,
                                           softmax_row)
-from tierlab.engine.kernels.moe_step import ResidentExperts, RouterCall, router_operands
+from tierlab.engine.kernels.moe_step import RouterCall, router_operands
 from tierlab.engine.kernels.shared_step import shared_expert_step
 from tierlab.engine.qlinear import pass_operands
 
@@ -123,12 +123,8 @@ class MoEBlock:
         cfg = self.cfg
         K = cfg.top_k
         plain = self._routes_plainly(ctx) and (K <= PAIRWISE_BLOCK or not cfg.norm_topk_prob)
-        call = RouterCall(self._router_block, self._shared_step_weights, cfg.hidden_size, cfg.n_experts,
+        return RouterCall(self._router_block, self._shared_step_weights, cfg.hidden_size, cfg.n_experts,
                           cfg.shared_inter, K, cfg.norm_topk_prob, plain, x)
-        if plain and x is None and ctx.store.can_run_in_step(self.layer, K):
-            # the stock top-K, known in the call: its experts run there too when all are resident
-            call.resident = ResidentExperts(self.layer, K, cfg.hidden_size)
-        return call
 
     def forward(self, x: np.ndarray, ctx, last_row_only: bool = False,
                 router: RouterCall | None = None) -> tuple[np.ndarray, list[LayerRoute]]:
@@ -174,12 +170,6 @@ class MoEBlock:
             router = self.decode_router(ctx, x)
             router.run()
         logits = router.fused[0, :self.cfg.n_experts]
-        resident = router.resident
-        if resident is not None and resident.ran:  # the experts ran in the mixer's call, into x
-            route = self._resident_route(router, resident, ctx)
-            timers["router"] += time.perf_counter() - t0
-            ctx.after_route(self.layer, route, logits)
-            return None, [route]
         if router.plain:
             route = self._plain_route(router.choices, 0, ctx)
         else:
@@ -189,20 +179,6 @@ class MoEBlock:
         self._experts(x[0], route, out[0], ctx, None if router.term is None else router.term[0])
         ctx.after_route(self.layer, route, logits)
         return out, [route]
-
-    def _resident_route(self, router: RouterCall, resident: ResidentExperts, ctx) -> LayerRoute:
-        """The routing record of a token whose experts ran in its mixer's call: what
-        `_plain_route` and `_experts` record for it (the levels read before the claims,
-        every expert a RAM hit, the shadow counts the claims made)."""
-        probs, chosen, true_topk, top_probs, weights = router.choices
-        K = chosen.shape[1]
-        level = resident.levels if ctx.wants_levels else np.zeros(K, dtype=np.int8)
-        route = LayerRoute(self.layer, chosen[0], weights[0], true_topk[0], top_probs[0], level,
-                           np.zeros(K, dtype=np.bool_), slots=K, probs=probs[0])
-        route.ram_hits += K
-        route.shadow_ram_hits += int(resident.shadow[0])
-        route.shadow_ram_misses += int(resident.shadow[1])
-        return route
 
     def _shared_expert(self, fused: np.ndarray, E: int, S: int, timers) -> np.ndarray:
         """sigmoid(gate) * down(silu(g) * u) of the shared expert, from the router block's output

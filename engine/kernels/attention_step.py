@@ -16,7 +16,7 @@ from numba import njit
 
 from tierlab.engine.kernels.decode_attention import attention_decode
 from tierlab.engine.kernels.dense import add_rms_norm, attention, residual_norms, rms_norm, rope_inplace, sigmoid_gate
-from tierlab.engine.kernels.moe_step import timed_moe_block
+from tierlab.engine.kernels.moe_step import timed_router_block
 from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
 
 
@@ -71,11 +71,10 @@ def _attention_kernels(wi, si, wo, so, x2, gated, heads, kv_heads, head_dim, q_n
 
 
 @njit(nogil=True, cache=True)
-def _attention_then_moe(layer_args, router_args, resident_args, stamps):
-    """The step (with its norms), then the MoE router block on its post norm and, with
-    `resident_args`, the token's resident experts into the residual stream, timed."""
+def _attention_then_router(layer_args, router_args, stamps):
+    """The step (with its norms), then the MoE router block on its post norm, timed."""
     _attention_kernels(*layer_args)
-    timed_moe_block(router_args, resident_args, stamps)
+    timed_router_block(router_args, stamps)
 
 
 def attention_step(w_qkv: tuple, w_o: tuple, x: np.ndarray, gated: bool, shape: tuple[int, int, int],
@@ -99,5 +98,5 @@ def attention_step(w_qkv: tuple, w_o: tuple, x: np.ndarray, gated: bool, shape: 
     if router is None:
         _attention_kernels(*args)
     else:
-        _attention_then_moe(args, router.args, router.resident_args, stamps)
+        _attention_then_router(args, router.args, stamps)
     return h_post if residual else out

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from tierlab.engine.kernels.dense import add_rms_norm, gated_deltanet, residual_norms, rms_norm
-from tierlab.engine.kernels.moe_step import timed_moe_block
+from tierlab.engine.kernels.moe_step import timed_router_block
 from tierlab.engine.kernels.qmatvec import SET, _pass, _thread_count
 
 
@@ -37,11 +37,10 @@ def _deltanet_kernels(wi, si, wo, so, x2, conv, taps, a_log, dt_bias, norm_w, ep
 
 
 @njit(nogil=True, cache=True)
-def _deltanet_then_moe(layer_args, router_args, resident_args, stamps):
-    """The step (with its norms), then the MoE router block on its post norm and, with
-    `resident_args`, the token's resident experts into the residual stream, timed."""
+def _deltanet_then_router(layer_args, router_args, stamps):
+    """The step (with its norms), then the MoE router block on its post norm, timed."""
     _deltanet_kernels(*layer_args)
-    timed_moe_block(router_args, resident_args, stamps)
+    timed_router_block(router_args, stamps)
 
 
 def deltanet_step(w_in: tuple, w_out: tuple, splits: tuple[int, int, int], x: np.ndarray, conv: np.ndarray,
@@ -57,8 +56,7 @@ def deltanet_step(w_in: tuple, w_out: tuple, splits: tuple[int, int, int], x: np
     float32[1, H] instead: its input norm runs first, the output is added to x in place,
     and the result is the post norm of the new x (`dense.residual_norms`). With a `router`
     as well (`moe_step.RouterCall`), the post norm goes into router.x and the router block
-    runs on it in the same call, and the router's `resident` experts when it has them
-    (`moe_step.timed_moe_block`); stamps int64[4] gets the clock around each."""
+    runs on it in the same call; stamps int64[2] gets the clock at its start and end."""
     kh, vh, dk, dv = heads
     (wi, si), (wo, so) = w_in, w_out
     y = np.empty(wi.shape[0], dtype=np.float32)
@@ -72,5 +70,5 @@ def deltanet_step(w_in: tuple, w_out: tuple, splits: tuple[int, int, int], x: np
     if router is None:
         _deltanet_kernels(*args)
     else:
-        _deltanet_then_moe(args, router.args, router.resident_args, stamps)
+        _deltanet_then_router(args, router.args, stamps)
     return h_post if residual else out

@@ -48,18 +48,12 @@ def router_block(wa, qb, sb, wc, x, fused, wd, sd, start, size, h, gate, term, p
 
 
 @njit(nogil=True, cache=True)
-def timed_moe_block(router_args, resident_args, stamps):
-    """`router_block(*router_args)`, then with `resident_args` (a `ResidentExperts`' operands;
-    None is known when numba compiles) the token's resident experts added to the residual
-    stream, the monotonic clock read around each into stamps int64[4]: their shares of a
-    mixer step's call (the "router" and "compute" timers)."""
+def timed_router_block(router_args, stamps):
+    """`router_block(*router_args)` with the monotonic clock read at its start and end into
+    stamps int64[2]: its share of a mixer step's call (the "router" timer)."""
     stamps[0] = monotonic_ns()
     router_block(*router_args)
     stamps[1] = monotonic_ns()
-    if resident_args is not None:
-        stamps[2] = monotonic_ns()
-        _resident_into_residual(*resident_args)
-        stamps[3] = monotonic_ns()
 
 
 def router_operands(w_in) -> tuple | None:
@@ -102,12 +96,6 @@ class RouterCall:
         self.args = (wa, qb, sb, wc, self.x[0], self.fused, wd, sd, n_experts, shared_inter, h, gate,
                      self.term if wd is not None else _NO_TERM, plain, top_k, norm, self.probs, chosen[0], chosen[1],
                      values[0], values[1], _thread_count())
-        self.resident: ResidentExperts | None = None  # the experts too, in the same call (`MoEBlock.decode_router`)
-
-    @property
-    def resident_args(self) -> tuple | None:
-        """The resident experts' operands for `timed_moe_block`, or None."""
-        return None if self.resident is None else self.resident.args
 
     def run(self) -> None:
         router_block(*self.args)
@@ -141,58 +129,6 @@ def _resident_kernels(slot_of, loading, pf_pass, busy, last, store, marker, hidd
             for i in range(y.shape[0]):
                 y[i] = y[i] + term[i]
     return clock
-
-
-@njit(nogil=True, cache=True)
-def _resident_into_residual(slot_of, loading, pf_pass, busy, last, store, marker, hidden, inter, chosen, clock, slots,
-                            stock, shadow, x, outputs, rows, weights, y, term, hits, layer, in_ram, levels, residual,
-                            status, threads):
-    """`_resident_kernels` on the router block's choices (int32, as `route_rows` writes them),
-    with the chosen experts' residency levels read first (as `MoEBlock._plain_route` reads
-    them before the claims), then residual[0] += y: status[0] gets the new LRU clock, or -1
-    having changed nothing but `levels` when an expert is not ready."""
-    experts = chosen.astype(np.int64)
-    for i in range(experts.shape[0]):
-        e = experts[i]
-        levels[i] = in_ram[e] if 0 <= e < in_ram.shape[0] else 0
-    clock = _resident_kernels(slot_of, loading, pf_pass, busy, last, store, marker, hidden, inter, experts, clock,
-                              slots, stock.astype(np.int64), shadow, x, outputs, rows, weights, y, term, hits, layer,
-                              threads)
-    status[0] = clock
-    if clock >= 0:
-        for i in range(residual.shape[1]):
-            residual[0, i] = residual[0, i] + y[i]
-
-
-class ResidentExperts:
-    """A decoded token's routed experts run inside its mixer's call, right after the router
-    block (`timed_moe_block`), when every one of them is ready in a RAM slot.
-
-    Why: the Python between the mixer's call and the experts' call (the routing record, the
-    store's checks, the lock) ran right after a stream of weights and paid cache misses on
-    the interpreter's state, 30-50 us a layer (docs/benchmarks.md, "A decoded layer's
-    resident experts in its mixer's call"). The same kernels run on the same operands in
-    the same order, so the bits, the claims and the LRU stamps are those of
-    `ExpertStore._compute_resident` (tests/test_moe_step.py).
-
-    Built by `MoEBlock.decode_router`; `ExpertStore.holding` fills `args` under the store's
-    lock, which it holds through the mixer's call. After it, `ran` says whether the experts
-    ran (their sum then is already in the residual stream) or the caller takes the usual
-    path (nothing but `levels` changed)."""
-
-    def __init__(self, layer: int, top_k: int, hidden: int) -> None:
-        self.layer = layer
-        self.outputs = np.zeros((top_k, hidden), dtype=np.float32)
-        self.y = np.zeros(hidden, dtype=np.float32)
-        self.slots = np.empty(top_k, dtype=np.int64)
-        self.shadow = np.empty(2, dtype=np.int64)
-        self.levels = np.zeros(top_k, dtype=np.int8)
-        self.status = np.full(1, -2, dtype=np.int64)  # -2: not run; -1: an expert not ready; else the clock
-        self.args = None
-
-    @property
-    def ran(self) -> bool:
-        return self.status[0] >= 0
 
 
 def resident_experts_step(layer_state: dict, kind: str, hidden: int, inter: int, experts: np.ndarray,
