@@ -1204,9 +1204,10 @@ def _tokens(qa, sa, qb, sb, x, out, mode):
 
 _STEPS_PER_CHUNK = 16  # the prompt's few-token kernel (experts_tokens)
 # A decoded token's launches take about four chunks per thread: on the Zen 4, with 16-step
-# chunks (16 KiB of down each) the down launch of eight int4 experts took 143-147 us from
-# DRAM where one 16384x512 matvec of the same bytes took 133-137; with four a thread (one
-# an expert at two threads) 122-130 (docs/benchmarks.md, "Fewer, longer work items").
+# chunks (16 KiB of down each) the down launch of eight int4 experts took 144-168 us from
+# DRAM, 5-31% more than one 16384x512 matvec of the same bytes; with four a thread (one
+# an expert at two threads) 126-147, level with it or up to 10% more (docs/benchmarks.md,
+# "Fewer, longer work items", `tools/experts_launch_vs_flat.py`).
 _ITEMS_PER_THREAD = 4
 
 
