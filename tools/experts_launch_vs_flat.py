@@ -9,7 +9,7 @@ with the same row loop, so the difference is what the experts' launch costs
 besides its bytes (work items, views, the jumps between slots). Real expert
 shape (hidden 2048, intermediate 512), 64 slots on huge pages, 8 random ones a
 call; the flat matrices rotate through 8 copies, so both come from DRAM; the
-four calls alternate, medians of 300 each per round, with the stream read
+two pairs of calls alternate, medians of 300 each per round, with the stream read
 (`bench_kernels.StreamProbe`) taken around each round:
 
     NUMBA_NUM_THREADS=2 .venv/bin/python tools/experts_launch_vs_flat.py [--rounds 3]
