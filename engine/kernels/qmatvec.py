@@ -1213,10 +1213,12 @@ _ITEMS_PER_THREAD = 4
 
 @njit(**_SERIAL)
 def _chunk_steps(steps, n, threads):
-    """Steps of one expert per parallel work item in `_experts`: the launch's n * steps
-    steps in about `_ITEMS_PER_THREAD` items per thread, each within one expert."""
+    """(steps of one expert per parallel work item in `_experts`, work items per expert):
+    the launch's n * steps steps in about `_ITEMS_PER_THREAD` items per thread, each within
+    one expert."""
     per_expert = max(1, (_ITEMS_PER_THREAD * max(1, threads) + n - 1) // n)
-    return max(1, (steps + per_expert - 1) // per_expert)
+    per = max(1, (steps + per_expert - 1) // per_expert)
+    return per, (steps + per - 1) // per
 
 
 def expert_views(row, marker, hidden, inter):
@@ -1271,8 +1273,7 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w, 
         qa = expert_views(store[slots[0]], marker, hidden, inter)[0]
         ahead = _ahead_bytes(qa, GATE_UP)
         steps = inter // 2
-        per = _chunk_steps(steps, n, threads)
-        chunks = (steps + per - 1) // per
+        per, chunks = _chunk_steps(steps, n, threads)
         for p in prange(n * chunks):
             k = p // chunks
             c = p % chunks
@@ -1301,8 +1302,7 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w, 
         qa = expert_views(store[slots[0]], marker, hidden, inter)[4]
         ahead = _ahead_bytes(qa, ADD)
         steps = hidden // 4
-        per = _chunk_steps(steps, n, threads)
-        chunks = (steps + per - 1) // per
+        per, chunks = _chunk_steps(steps, n, threads)
         for p in prange(n * chunks):
             k = p // chunks
             c = p % chunks
