@@ -69,26 +69,3 @@ def test_the_public_matvec_matches_one_thread():
         numba.set_num_threads(before)
     assert K._thread_count() == before
     np.testing.assert_array_equal(pooled, single)
-
-
-@pytest.mark.parametrize("kind", ["fp32", "bf16"])
-@pytest.mark.parametrize("rows,cols", SHAPES + [(9, 100), (6, 2050)])
-def test_rows_read_in_order_give_the_four_row_steps_bits(kind, rows, cols):
-    """fp32 and bf16 SET/ADD passes read each thread's rows one by one where the CPU has 16
-    lanes (`_rows_in_order`): every row is the bits the four-row steps (`_set_step`, and
-    `_set_rows_left` for the rows left over) give it, tail columns included."""
-    rng = np.random.default_rng(rows * 7 + cols)
-    qa, _sa, _ = _operands(kind, rows, cols, rng)
-    x = rng.standard_normal(cols).astype(np.float32)
-    digits, unit, corr = K._prepare_x(x, 0)
-    steps = np.zeros(rows, dtype=np.float32)
-    for p in range(rows // 4):
-        K._set_step(qa, qa, 4 * p, x, digits, unit, corr, 0, steps)
-    K._set_rows_left(qa, qa, x, digits, unit, corr, 0, steps)
-    for threads in (1, 2, 3):
-        out = np.full(rows, np.nan, dtype=np.float32)
-        K._pass(qa, qa, qa, qa, x, out, K.SET, 1.0, threads)
-        np.testing.assert_array_equal(out.view(np.uint32), steps.view(np.uint32))
-        added = np.zeros(rows, dtype=np.float32)
-        K._pass(qa, qa, qa, qa, x, added, K.ADD, 1.0, threads)  # 0 + 1 * v is v exactly
-        np.testing.assert_array_equal(added.view(np.uint32), (steps + np.float32(0.0)).view(np.uint32))

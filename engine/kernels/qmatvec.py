@@ -512,11 +512,13 @@ def _rows_dot(typingctx, a, sa, b, sb, r0, r1, r2, r3, x, digits, unit, corr, ah
     return sig, lambda context, builder, signature, args: emit(context, builder, signature, args, bits)
 
 
-def _raw_sweep(context, builder, signature, rows, a, x, ahead):
-    """The fp32 or bf16 dots of `rows` (row pointers of matrix struct `a`) with x, 64 bytes of
-    each row per iteration, prefetching `ahead` bytes on; each row's sums in the same order
-    whichever rows share the sweep (so a row's bits do not depend on them)."""
-    bf16 = a.data.type.pointee == ir.IntType(16)
+def _raw_rows_loop(context, builder, signature, args):
+    """Four fp32 or bf16 rows, 64 bytes of each per iteration, prefetching `ahead` bytes on
+    (the columns past the last whole 64 bytes are left to _columns_left)."""
+    (rows, _no_scales), (a, *_rest) = _four_rows(context, builder, signature, args, 4)
+    x = context.make_array(signature.args[8])(context, builder, args[8]).data
+    ahead = args[-1]
+    bf16 = signature.args[0].dtype == types.uint16
     per_line = 32 if bf16 else 16  # weights in 64 bytes
     pieces = per_line // 16
     lines = builder.sdiv(builder.extract_value(a.shape, 1), ir.Constant(_I64, per_line))
@@ -546,33 +548,6 @@ def _raw_sweep(context, builder, signature, rows, a, x, ahead):
             total = builder.fadd(total, accs[r * pieces + k])
         sums.append(_halving_sum(builder, total))
     return context.make_tuple(builder, signature.return_type, sums)
-
-
-
-def _raw_rows_loop(context, builder, signature, args):
-    """Four fp32 or bf16 rows, 64 bytes of each per iteration, prefetching `ahead` bytes on
-    (the columns past the last whole 64 bytes are left to _columns_left)."""
-    (rows, _no_scales), (a, *_rest) = _four_rows(context, builder, signature, args, 4)
-    x = context.make_array(signature.args[8])(context, builder, args[8]).data
-    return _raw_sweep(context, builder, signature, rows, a, x, args[-1])
-
-
-@intrinsic
-def _row_dot_raw(typingctx, a, r, x, ahead):
-    """row r of fp32 or bf16 a . x over its whole 64 bytes (one row: a thread's rows read in order)."""
-    kind = a.dtype if isinstance(a, types.Array) else None
-    if not (kind in (types.float32, types.uint16) and _matrix_ok(a, kind) and isinstance(r, types.Integer)
-            and _row_view_ok(x, types.float32) and isinstance(ahead, types.Integer)):
-        return None
-    sig = types.UniTuple(types.float32, 1)(a, r, x, types.int64)
-
-    def codegen(context, builder, signature, args):
-        arr = context.make_array(signature.args[0])(context, builder, args[0])
-        row = _row_start(context, builder, arr, args[1], signature.args[1])
-        xp = context.make_array(signature.args[2])(context, builder, args[2]).data
-        return _raw_sweep(context, builder, signature, [row], arr, xp, args[3])
-
-    return sig, codegen
 
 
 # --- 8-lane row loops (CPUs without AVX-512) -----------------------------------------------
@@ -1077,54 +1052,6 @@ def _thread_steps(steps, t, threads):
 _HEAD_BYTES = 8192
 
 
-# fp32 and bf16 SET/ADD passes read each thread's share of rows in order instead, one row
-# after another (on 16-lane CPUs): one sequential stream per thread, where the four-row
-# steps read four rows a row apart. Their dots share no loads worth keeping (x comes
-# from L1), and each row's sums are the same bits as in a four-row step. Two threads
-# from DRAM on the Zen 4, bf16, in a fast stretch of the stream: 512x2048 48-51 GB/s
-# against 43-45, 2048x512 48-50 against 46-48; level in slow stretches
-# (docs/benchmarks.md, Kernels: "fp32 and bf16 rows read in order"). The prefetches run
-# _IN_ORDER_AHEAD_BYTES ahead (4 KiB read slower at 2048x512).
-_IN_ORDER_AHEAD_BYTES = 16384
-
-
-def _rows_in_order(q):
-    """True where a SET/ADD pass reads each thread's rows one by one (fp32 and bf16, 16 lanes)."""
-
-
-@overload(_rows_in_order)
-def _rows_in_order_impl(q):
-    in_order = _WIDE and q.dtype in (types.float32, types.uint16)
-    return lambda q: in_order
-
-
-def _rows_one_by_one(a, x, out, r0, r1, add, w):
-    """out[r] = row r . x (or += w * it) for rows r0..r1-1 of fp32 or bf16 a, in order."""
-
-
-@overload(_rows_one_by_one)
-def _rows_one_by_one_impl(a, x, out, r0, r1, add, w):
-    if not (_WIDE and a.dtype in (types.float32, types.uint16)):
-        return lambda a, x, out, r0, r1, add, w: None  # never called: _rows_in_order is False
-
-    def rows(a, x, out, r0, r1, add, w):
-        n = x.shape[0]
-        tail = n - n % (64 // a.itemsize)
-        row_bytes = a.strides[0]
-        # the last rows prefetch nothing past the share (another thread's, or past the matrix)
-        stop = r1 - (_IN_ORDER_AHEAD_BYTES + row_bytes - 1) // row_bytes
-        for r in range(r0, r1):
-            v = _row_dot_raw(a, r, x, _IN_ORDER_AHEAD_BYTES if r < stop else 0)[0]
-            for c in range(tail, n):  # as _columns_left adds them
-                v += _as_f32(a[r, c]) * x[c]
-            if add:
-                out[r] += w * v
-            else:
-                out[r] = v
-
-    return rows
-
-
 @njit(**_PARALLEL)
 def _pass(qa, sa, qb, sb, x, out, mode, w, threads):
     """Weights of any kind (see _rows_dot; fp32 and bf16 pass their weights as scales);
@@ -1143,13 +1070,10 @@ def _pass(qa, sa, qb, sb, x, out, mode, w, threads):
             out[r] = _silu_mul(g0, u0)
             out[r + 1] = _silu_mul(g1, u1)
     else:
-        in_order = _rows_in_order(qa)
-        steps = qa.shape[0] if in_order else qa.shape[0] // 4
+        steps = qa.shape[0] // 4
         for t in prange(threads):
             s0, s1 = _thread_steps(steps, t, threads)
-            if in_order:
-                _rows_one_by_one(qa, x, out, s0, s1, mode == ADD, wf)
-            elif s1 > s0:
+            if s1 > s0:
                 if bits:
                     _prefetch_head(qa, 4 * s0, min(_HEAD_BYTES, (s1 - s0) * 4 * qa.strides[0]))
                 dt, ut, ct = _prepare_x(x, bits)
@@ -1163,7 +1087,7 @@ def _pass(qa, sa, qb, sb, x, out, mode, w, threads):
                         qa, qa, r, r + 1, r + 2, r + 3, x,
                         *_rows_dot(qa, sa, qa, sa, r, r + 1, r + 2, r + 3, x, dt, ut, ct, step_ahead))
                     _store4(out, r, v0, v1, v2, v3, wf, mode == ADD)
-        if in_order or _first_left_over(mode, qa.shape[0]) == qa.shape[0]:
+        if _first_left_over(mode, qa.shape[0]) == qa.shape[0]:
             return
         digits, unit, corr = _prepare_x(x, bits)
     for r in range(_first_left_over(mode, qa.shape[0]), qa.shape[0]):
@@ -1648,5 +1572,4 @@ EXPERT_FORWARD = {
     "int8": expert_forward_int8,
     "int4": expert_forward_int4,
 }
-
 
