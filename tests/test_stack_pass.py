@@ -64,20 +64,3 @@ def test_a_wrong_x_is_refused_not_read_out_of_bounds():
     stack = RowStack([_bf16(rng, 4, 128), quantize_matrix(rng.standard_normal((8, 128), dtype=np.float32), 4)])
     with pytest.raises(ValueError):
         qmatvec.matvec_stack(*stack.one_launch, np.zeros(64, np.float32), np.empty(12, np.float32))
-
-
-@pytest.mark.parametrize("rows", [(64, 256, 1), (5, 38, 0), (0, 9, 2), (8, 1, 0), (4, 4, 4)])
-def test_every_thread_count_gives_each_row_its_own_parts_bits(rows):
-    """Each thread takes one contiguous share of the stack's steps (more threads than steps
-    included): the rows' bits do not depend on how many there are."""
-    rng = np.random.default_rng(sum(rows))
-    cols = 128
-    ra, rb, rc = rows
-    wa, wc = _bf16(rng, ra, cols), _bf16(rng, rc, cols)
-    part = quantize_matrix(rng.standard_normal((rb, cols), dtype=np.float32), 4)
-    x = rng.standard_normal(cols, dtype=np.float32)
-    want = np.concatenate([_own_matvec(p, x) if p.shape[0] else np.empty(0, np.float32) for p in (wa, part, wc)])
-    for threads in (1, 2, 3, 5, 40):
-        out = np.full(ra + rb + rc, np.nan, np.float32)
-        qmatvec._stack_pass(wa, part.q, part.scales, wc, x, out, threads)
-        np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))

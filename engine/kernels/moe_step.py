@@ -40,7 +40,7 @@ def router_block(wa, qb, sb, wc, x, fused, wd, sd, start, size, h, gate, term, p
     if wa is None:
         _pass(qb, sb, qb, sb, x, fused[0], SET, 1.0, threads)
     else:
-        _stack_pass(wa, qb, sb, wc, x, fused[0], threads)
+        _stack_pass(wa, qb, sb, wc, x, fused[0])
     if wd is not None:
         _shared_kernels(wd, sd, fused, start, size, h, gate, term, threads)
     if plain:

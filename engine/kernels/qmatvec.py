@@ -1111,15 +1111,8 @@ def _set_rows_left(a, sa, x, digits, unit, corr, ahead, out):
         out[r] = _columns_left(a, a, r, r, r, r, x, *_rows_dot(a, sa, a, sa, r, r, r, r, x, digits, unit, corr, ahead))[0]
 
 
-@njit(**_SERIAL)
-def _stack_b_step(p, stride, n_plain):
-    """The quantised step that stack step p is (when it is not a plain one): p less the plain
-    steps spread before it."""
-    return p - min(p // stride + 1, n_plain)
-
-
 @njit(**_PARALLEL)
-def _stack_pass(wa, qb, sb, wc, x, out, threads):
+def _stack_pass(wa, qb, sb, wc, x, out):
     """out = [wa @ x | dequant(qb, sb) @ x | wc @ x] in one launch.
 
     Why: a RowStack (the bf16 router and shared-expert gate beside the quantised shared
@@ -1127,14 +1120,13 @@ def _stack_pass(wa, qb, sb, wc, x, out, threads):
     matrices a launch costs as much as reading the rows. Each row gets the dot _pass gives
     it (four-row steps from each matrix's row 0, the same rows left over), so the bits are
     those of one _pass per part. The plain steps (wa, then wc: fp32 or bf16, one kind) are
-    spread evenly among the quantised ones, and each thread takes one contiguous share of
-    the steps, so it gets its share of both. As in `_pass`, a thread first prefetches the
-    head of its quantised rows and then prepares its own copy of x while they arrive;
-    `threads`: numba's thread count, from the caller."""
+    spread evenly among the quantised ones, so prange's static split gives each thread its
+    share of both."""
     wide_vectors()
     ra, rb = wa.shape[0], qb.shape[0]
     out_b, out_c = out[ra:ra + rb], out[ra + rb:]
-    bits = _bits_of(qb)
+    plain_digits, plain_unit, plain_corr = _prepare_x(x, 0)
+    digits, unit, corr = _prepare_x(x, _bits_of(qb))
     # an empty part's strides may be 0 (numpy 2), which _ahead_bytes divides by
     ahead_a = _ahead_bytes(wa, SET) if ra > 0 else 0
     ahead_b = _ahead_bytes(qb, SET) if rb > 0 else 0
@@ -1143,26 +1135,15 @@ def _stack_pass(wa, qb, sb, wc, x, out, threads):
     n_plain = na + nc
     total = n_plain + nb
     stride = max(1, total // n_plain) if n_plain > 0 else total + 1
-    for t in prange(threads):
-        p0, p1 = _thread_steps(total, t, threads)
-        if p1 > p0:
-            if nb > 0:
-                first = min(_stack_b_step(p0, stride, n_plain), nb - 1)
-                last = min(_stack_b_step(p1 - 1, stride, n_plain) + 1, nb)
-                _prefetch_head(qb, 4 * first, min(_HEAD_BYTES, max(1, last - first) * 4 * qb.strides[0]))
-            plain_digits, plain_unit, plain_corr = _prepare_x(x, 0)
-            digits, unit, corr = _prepare_x(x, bits)
-            for p in range(p0, p1):
-                q = p // stride
-                if p % stride == 0 and q < n_plain:
-                    if q < na:
-                        _set_step(wa, wa, 4 * q, x, plain_digits, plain_unit, plain_corr, ahead_a, out)
-                    else:
-                        _set_step(wc, wc, 4 * (q - na), x, plain_digits, plain_unit, plain_corr, ahead_c, out_c)
-                else:
-                    _set_step(qb, sb, 4 * _stack_b_step(p, stride, n_plain), x, digits, unit, corr, ahead_b, out_b)
-    plain_digits, plain_unit, plain_corr = _prepare_x(x, 0)
-    digits, unit, corr = _prepare_x(x, bits)
+    for p in prange(total):
+        q = p // stride
+        if p % stride == 0 and q < n_plain:
+            if q < na:
+                _set_step(wa, wa, 4 * q, x, plain_digits, plain_unit, plain_corr, ahead_a, out)
+            else:
+                _set_step(wc, wc, 4 * (q - na), x, plain_digits, plain_unit, plain_corr, ahead_c, out_c)
+        else:
+            _set_step(qb, sb, 4 * (p - min(q + 1, n_plain)), x, digits, unit, corr, ahead_b, out_b)
     _set_rows_left(wa, wa, x, plain_digits, plain_unit, plain_corr, ahead_a, out)
     _set_rows_left(qb, sb, x, digits, unit, corr, ahead_b, out_b)
     _set_rows_left(wc, wc, x, plain_digits, plain_unit, plain_corr, ahead_c, out_c)
@@ -1458,7 +1439,7 @@ def matvec_stack(wa: np.ndarray, q: np.ndarray, scales: np.ndarray, wc: np.ndarr
     """out[:] = [wa @ x | dequant(q, scales) @ x | wc @ x] in one launch, for parts that
     `stack_parts` accepted; each part's rows as its own matvec gives them."""
     _check_matvec(wa.shape[0] + q.shape[0] + wc.shape[0], wa.shape[1], x, out)
-    _stack_pass(wa, q, scales, wc, _f32(x), out, _thread_count())
+    _stack_pass(wa, q, scales, wc, _f32(x), out)
 
 
 def raw_matrices(blob: np.ndarray, kind: str, hidden: int, inter: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
