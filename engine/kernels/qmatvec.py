@@ -1082,7 +1082,7 @@ def _thread_steps(steps, t, threads):
 _HEAD_BYTES = 8192
 # A SET/ADD thread reads its share as two streams in step (each step two rows from the
 # first half, two from the second) instead of one. On a Xeon with AMX two threads read int4
-# 512x2048 from DRAM 8-10% faster and int8 2048x512 7-16% (the other shapes, bf16 and fp32
+# 512x2048 from DRAM 7-14% faster and int8 2048x512 7-16% (the other shapes, bf16 and fp32
 # level), and int4 + dense int4 decoded 2% faster, its DeltaNet phase shorter in every
 # alternated pair; on the Zen 4 int4 read 6-12% faster and decode was level. Each row's
 # dot is the same, so the same bits (docs/benchmarks.md, "Two streams a thread").
