@@ -1347,17 +1347,27 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w, 
         ahead = _ahead_bytes(qa, ADD)
         steps = hidden // 4
         per, chunks = _chunk_steps(steps, n, threads)
+        # a work item's rows read as _STREAMS streams in step, as a matvec thread's share
+        # (`_pass`); the last steps prefetch nothing past their stream
+        stream_per = 4 // _STREAMS
+        row_bytes = qa.strides[0]
+        stream_ahead = row_bytes * max(1, (_AHEAD_BYTES + row_bytes - 1) // row_bytes) * stream_per
         for p in prange(n * chunks):
             k = p // chunks
             c = p % chunks
             qd, sd = expert_views(store[slots[k]], marker, hidden, inter)[4:]
             hk, dk, uk, ck, yk = h[k], digits[k], unit[k], corr[k], out[out_rows[k]]
-            for step in range(c * per, min(steps, (c + 1) * per)):
-                r = 4 * step
+            s0 = c * per
+            m = min(steps, s0 + per) - s0
+            span = m * stream_per
+            stop_prefetch = m - stream_ahead // (stream_per * row_bytes)
+            for i in range(m):
+                step_ahead = stream_ahead if i < stop_prefetch else 0
+                r0, r1, r2, r3 = _stream_rows(4 * s0, span, stream_per, i)
                 v0, v1, v2, v3 = _columns_left(
-                    qd, qd, r, r + 1, r + 2, r + 3, hk,
-                    *_rows_dot(qd, sd, qd, sd, r, r + 1, r + 2, r + 3, hk, dk, uk, ck, ahead))
-                _store4(yk, r, v0, v1, v2, v3, wf, True)
+                    qd, qd, r0, r1, r2, r3, hk,
+                    *_rows_dot(qd, sd, qd, sd, r0, r1, r2, r3, hk, dk, uk, ck, step_ahead))
+                _store_rows(yk, r0, r1, r2, r3, v0, v1, v2, v3, wf, True)
         for k in range(n):
             qd, sd = expert_views(store[slots[k]], marker, hidden, inter)[4:]
             for r in range(_first_left_over(ADD, hidden), hidden):
