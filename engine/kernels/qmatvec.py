@@ -984,6 +984,16 @@ def _ahead_bytes(q, mode):
     return row * steps * (2 if mode == GATE_UP else 4)
 
 
+
+@njit(**_SERIAL)
+def _stream_ahead(q):
+    """How far ahead each of a SET/ADD thread's _STREAMS streams prefetches: the same place
+    in that stream's rows at least _AHEAD_BYTES later (a step advances each stream by
+    4 // _STREAMS rows; see `_pass`)."""
+    row = np.int64(q.strides[0])
+    steps = max(np.int64(1), (np.int64(_AHEAD_BYTES) + row - 1) // row)
+    return row * steps * (4 // _STREAMS)
+
 # --- row passes: one parallel function serves the matvec and both expert halves ------------
 # Modes: SET out[r] = row r . x; ADD out[r] += w * (row r . x); GATE_UP out[i] =
 # silu(a_i . x) * (b_i . x). One parallel function for every use and weight layout
@@ -1110,7 +1120,7 @@ def _pass(qa, sa, qb, sb, x, out, mode, w, threads):
         steps = qa.shape[0] // 4
         per = 4 // _STREAMS  # rows a stream advances each step
         row_bytes = qa.strides[0]
-        ahead = row_bytes * max(1, (_AHEAD_BYTES + row_bytes - 1) // row_bytes) * per
+        ahead = _stream_ahead(qa)
         for t in prange(threads):
             s0, s1 = _thread_steps(steps, t, threads)
             n = s1 - s0
@@ -1351,7 +1361,7 @@ def _experts(store, slots, marker, hidden, inter, x, h, out, out_rows, mode, w, 
         # (`_pass`); the last steps prefetch nothing past their stream
         stream_per = 4 // _STREAMS
         row_bytes = qa.strides[0]
-        stream_ahead = row_bytes * max(1, (_AHEAD_BYTES + row_bytes - 1) // row_bytes) * stream_per
+        stream_ahead = _stream_ahead(qa)
         for p in prange(n * chunks):
             k = p // chunks
             c = p % chunks
