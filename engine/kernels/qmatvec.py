@@ -984,7 +984,6 @@ def _ahead_bytes(q, mode):
     return row * steps * (2 if mode == GATE_UP else 4)
 
 
-
 @njit(**_SERIAL)
 def _stream_ahead(q):
     """How far ahead each of a SET/ADD thread's _STREAMS streams prefetches: the same place
@@ -993,6 +992,7 @@ def _stream_ahead(q):
     row = np.int64(q.strides[0])
     steps = max(np.int64(1), (np.int64(_AHEAD_BYTES) + row - 1) // row)
     return row * steps * (4 // _STREAMS)
+
 
 # --- row passes: one parallel function serves the matvec and both expert halves ------------
 # Modes: SET out[r] = row r . x; ADD out[r] += w * (row r . x); GATE_UP out[i] =
