@@ -988,10 +988,8 @@ def _ahead_bytes(q, mode):
 def _stream_ahead(q):
     """How far ahead each of a SET/ADD thread's _STREAMS streams prefetches: the same place
     in that stream's rows at least _AHEAD_BYTES later (a step advances each stream by
-    4 // _STREAMS rows; see `_pass`)."""
-    row = np.int64(q.strides[0])
-    steps = max(np.int64(1), (np.int64(_AHEAD_BYTES) + row - 1) // row)
-    return row * steps * (4 // _STREAMS)
+    4 // _STREAMS rows, a 4-row step's distance split between the streams; see `_pass`)."""
+    return _ahead_bytes(q, SET) // _STREAMS
 
 
 # --- row passes: one parallel function serves the matvec and both expert halves ------------
@@ -1015,21 +1013,6 @@ def _silu_mul(g, u):
 
 
 @njit(**_SERIAL)
-def _store4(out, r, v0, v1, v2, v3, w, add):
-    """out[r..r+3] = v, or += w * v."""
-    if add:
-        out[r] += w * v0
-        out[r + 1] += w * v1
-        out[r + 2] += w * v2
-        out[r + 3] += w * v3
-    else:
-        out[r] = v0
-        out[r + 1] = v1
-        out[r + 2] = v2
-        out[r + 3] = v3
-
-
-@njit(**_SERIAL)
 def _store_rows(out, r0, r1, r2, r3, v0, v1, v2, v3, w, add):
     """out[r_i] = v_i, or += w * v_i."""
     if add:
@@ -1042,6 +1025,12 @@ def _store_rows(out, r0, r1, r2, r3, v0, v1, v2, v3, w, add):
         out[r1] = v1
         out[r2] = v2
         out[r3] = v3
+
+
+@njit(**_SERIAL)
+def _store4(out, r, v0, v1, v2, v3, w, add):
+    """out[r..r+3] = v, or += w * v."""
+    _store_rows(out, r, r + 1, r + 2, r + 3, v0, v1, v2, v3, w, add)
 
 
 @njit(**_SERIAL)
