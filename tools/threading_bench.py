@@ -58,6 +58,14 @@ def run_once(model: str, tokens: int, prompt_tokens: int, overrides: dict) -> di
 COLUMNS = (("decode", "decode_tok_s"), ("prefill", "prefill_tok_s"), ("decode share", "roofline_share"))
 
 
+def _follower_state(run: dict) -> str:
+    """The load follower's state at the run's end, from its threading line (" (2 of 2 now,
+    0 changes)"), or "" where the threads did not follow the load."""
+    line = run.get("threading", "")
+    start = line.find(" (", line.find("threads follow the load"))
+    return line[start:] if "threads follow the load" in line and start >= 0 else ""
+
+
 def medians(rows: dict) -> dict:
     """(policy, condition) -> the medians of the runs' COLUMNS (tok/s, tok/s, share)."""
     return {key: tuple(statistics.median(v[i] for v in vals) for i in range(len(COLUMNS)))
@@ -124,11 +132,14 @@ def main() -> int:
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if cond == "loaded" else None
         try:
             for r in range(a.rounds):
-                for k in keys:
+                # each round starts one policy later, so that no policy always runs right
+                # after the same one (a fixed order gives every policy the same neighbour every round)
+                for k in keys[r % len(keys):] + keys[:r % len(keys)]:
                     d = run_once(a.model, a.tokens, a.prompt_tokens, policies[k][1])
                     rows[(k, cond)].append(tuple(float(d[key]) for _, key in COLUMNS))
                     print(f"  {cond} round {r + 1} {k}: decode {d['decode_tok_s']:.1f} prefill {d['prefill_tok_s']:.1f} "
-                          f"share {100 * d['roofline_share']:.1f}% stream {d['bandwidth_gbs']:.1f} GB/s", file=sys.stderr)
+                          f"share {100 * d['roofline_share']:.1f}% stream {d['bandwidth_gbs']:.1f} GB/s"
+                          f"{_follower_state(d)}", file=sys.stderr)
         finally:
             if hog:
                 hog.kill()
