@@ -4,7 +4,10 @@
 Decides tierlab's default threading (engine/threading_layer.py); the table in
 docs/engine.md, "Threads", is what this prints. Each cell is the median of
 `tierlab bench decode --json` runs in fresh processes, interleaved across
-policies so that drift in the machine's load hits all of them alike.
+policies so that drift in the machine's load hits all of them alike, each
+round starting one policy later than the one before (in one fixed order,
+the default's prefill read 6-10% behind on a quiet Xeon where the rotated
+order had it level, docs/engine.md "Thread pool and waiting").
 
     .venv/bin/python tools/threading_bench.py --model DIR [--rounds 3] [--tokens 64]
         [--prompt-tokens 32] [--policies default,active,...] [--conditions quiet,loaded]
