@@ -5,9 +5,8 @@ Decides tierlab's default threading (engine/threading_layer.py); the table in
 docs/engine.md, "Threads", is what this prints. Each cell is the median of
 `tierlab bench decode --json` runs in fresh processes, interleaved across
 policies so that drift in the machine's load hits all of them alike, each
-round starting one policy later than the one before (in one fixed order,
-the default's prefill read 6-10% behind on a quiet Xeon where the rotated
-order had it level, docs/engine.md "Thread pool and waiting").
+round in its own shuffled order (seeded by the round's number), so that no
+policy always runs first or right after the same one.
 
     .venv/bin/python tools/threading_bench.py --model DIR [--rounds 3] [--tokens 64]
         [--prompt-tokens 32] [--policies default,active,...] [--conditions quiet,loaded]
@@ -31,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -135,9 +135,9 @@ def main() -> int:
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if cond == "loaded" else None
         try:
             for r in range(a.rounds):
-                # each round starts one policy later, so that no policy always runs right
-                # after the same one (a fixed order gives every policy the same neighbour every round)
-                for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+                # each round in its own order (seeded, so a run can be repeated): no policy
+                # always runs first, or always right after the same one
+                for k in random.Random(r).sample(keys, len(keys)):
                     d = run_once(a.model, a.tokens, a.prompt_tokens, policies[k][1])
                     rows[(k, cond)].append(tuple(float(d[key]) for _, key in COLUMNS))
                     print(f"  {cond} round {r + 1} {k}: decode {d['decode_tok_s']:.1f} prefill {d['prefill_tok_s']:.1f} "
