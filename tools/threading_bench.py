@@ -64,9 +64,7 @@ COLUMNS = (("decode", "decode_tok_s"), ("prefill", "prefill_tok_s"), ("decode sh
 def _follower_state(run: dict) -> str:
     """The load follower's state at the run's end, from its threading line (" (2 of 2 now,
     0 changes)"), or "" where the threads did not follow the load."""
-    line = run.get("threading", "")
-    start = line.find(" (", line.find("threads follow the load"))
-    return line[start:] if "threads follow the load" in line and start >= 0 else ""
+    return run.get("threading", "").partition("threads follow the load")[2]
 
 
 def medians(rows: dict) -> dict:
